@@ -1,0 +1,47 @@
+# gpuhub developer entry points. `make demo` and `make test` are all a newcomer needs.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo demo-down test test-fast test-cluster bench lint venv host-deps clean
+
+$(STAMP): pyproject.toml requirements/dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -r requirements/dev.txt
+	$(BIN)/pip install -q -e .
+	touch $@
+
+venv: $(STAMP)
+
+# Debian packages the controller needs to run the local podman cluster (TESTBED.md).
+host-deps:
+	scripts/host-deps.sh
+
+demo: venv host-deps
+	scripts/cluster.sh up demo
+	scripts/cluster.sh deploy demo
+	scripts/cluster.sh info demo
+
+demo-down:
+	scripts/cluster.sh down demo
+
+test-fast: venv
+	$(BIN)/pytest -q -m "not cluster" tests
+
+test-cluster: venv host-deps
+	$(BIN)/pytest -q -m cluster tests
+
+test: venv host-deps lint
+	$(BIN)/pytest -q tests
+
+bench: venv
+	$(BIN)/python -m bench
+
+lint: venv
+	scripts/lint.sh
+
+clean:
+	rm -rf $(VENV) .cache

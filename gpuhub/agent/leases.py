@@ -1,0 +1,154 @@
+"""Per-cell GPU leases on one node: the only authority over this node's GPUs (DESIGN D1).
+
+Pure logic, no I/O: the agent's HTTP API and the simulator drive the same class.
+
+Vocabulary (DESIGN §5):
+- *pending* GPUs: the sum of the GPU specs of the replicas placed on this node;
+- *committed* GPUs: GPUs granted to an executing cell right now (never more than the node has).
+A grant is all-or-nothing and immediate: either ``n`` GPUs are free now, or the request is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+
+class LeaseError(ValueError):
+    """A request the book cannot even consider (e.g. more GPUs than the node has)."""
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    holder: str
+    gpus: tuple[int, ...]  # indices into the node's GPU list
+    granted_at: float
+    holder_pid: int | None = None
+    expires_at: float | None = None  # None: lives until released or its holder dies
+
+    def to_dict(self) -> dict:
+        return {
+            "lease_id": self.lease_id,
+            "holder": self.holder,
+            "gpus": list(self.gpus),
+            "granted_at": self.granted_at,
+            "holder_pid": self.holder_pid,
+            "expires_at": self.expires_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Lease":
+        return cls(
+            lease_id=d["lease_id"],
+            holder=d["holder"],
+            gpus=tuple(d["gpus"]),
+            granted_at=d["granted_at"],
+            holder_pid=d.get("holder_pid"),
+            expires_at=d.get("expires_at"),
+        )
+
+
+@dataclass
+class LeaseBook:
+    """GPU accounting for one node with ``gpu_count`` GPUs."""
+
+    gpu_count: int
+    leases: dict[str, Lease] = field(default_factory=dict)
+    placed: dict[str, int] = field(default_factory=dict)  # replica id -> GPUs it may ask for
+    _ids: Iterable[int] = field(default_factory=itertools.count, repr=False)
+    random_ids: bool = True  # the simulator turns this off for speed and reproducibility
+
+    # --- placement (pending) -------------------------------------------------
+    def place(self, replica_id: str, gpus: int) -> None:
+        if gpus < 0:
+            raise LeaseError("a replica cannot ask for a negative number of GPUs")
+        self.placed[replica_id] = gpus
+
+    def unplace(self, replica_id: str) -> None:
+        self.placed.pop(replica_id, None)
+
+    @property
+    def pending(self) -> int:
+        return sum(self.placed.values())
+
+    # --- grants (committed) --------------------------------------------------
+    @property
+    def busy(self) -> set[int]:
+        return {g for lease in self.leases.values() for g in lease.gpus}
+
+    @property
+    def committed(self) -> int:
+        return len(self.busy)
+
+    @property
+    def free(self) -> int:
+        return self.gpu_count - self.committed
+
+    def can_grant(self, n: int) -> bool:
+        return 0 <= n <= self.free
+
+    def grant(
+        self,
+        n: int,
+        holder: str,
+        now: float,
+        holder_pid: int | None = None,
+        ttl_s: float | None = None,
+    ) -> Lease | None:
+        """Grant ``n`` GPUs now, or return None if they are not all free."""
+        if n < 0:
+            raise LeaseError("cannot grant a negative number of GPUs")
+        if n > self.gpu_count:
+            raise LeaseError(f"asked for {n} GPUs but this node has {self.gpu_count}")
+        if n > self.free:
+            return None
+        busy = self.busy
+        chosen = tuple(i for i in range(self.gpu_count) if i not in busy)[:n]
+        lease_id = secrets.token_hex(8) if self.random_ids else f"l{next(self._ids)}"
+        lease = Lease(
+            lease_id=lease_id,
+            holder=holder,
+            gpus=chosen,
+            granted_at=now,
+            holder_pid=holder_pid,
+            expires_at=None if ttl_s is None else now + ttl_s,
+        )
+        self.leases[lease_id] = lease
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        """Release a lease. Idempotent: releasing an unknown or released lease returns None."""
+        return self.leases.pop(lease_id, None)
+
+    def release_holder(self, holder: str) -> list[Lease]:
+        """Release every lease of one holder (its replica stopped)."""
+        gone = [lease for lease in self.leases.values() if lease.holder == holder]
+        for lease in gone:
+            del self.leases[lease.lease_id]
+        return gone
+
+    def renew(self, lease_id: str, now: float, ttl_s: float) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.expires_at = now + ttl_s
+        return lease
+
+    def expire(self, now: float, holder_alive: Callable[[Lease], bool] = lambda lease: True) -> list[Lease]:
+        """Drop leases whose time ran out or whose holder died; return them."""
+        dead = [
+            lease
+            for lease in self.leases.values()
+            if (lease.expires_at is not None and lease.expires_at <= now) or not holder_alive(lease)
+        ]
+        for lease in dead:
+            del self.leases[lease.lease_id]
+        return dead
+
+    def subscription_ratio(self, replicas: int) -> float:
+        """SR_h = pending / (G * R); a node without GPUs has ratio 0 for CPU-only replicas."""
+        if self.gpu_count == 0:
+            return 0.0
+        return self.pending / (self.gpu_count * replicas)

@@ -1,0 +1,63 @@
+"""Where a kernel's replicas go. Pure logic: the scheduler and the simulator call the same function.
+
+Rules (DESIGN §5, following NotebookOS):
+- never two replicas of one kernel on one node;
+- a node must have at least as many GPUs as the kernel asks for per cell;
+- admission: the node's subscription ratio after placing stays at or under ``max_subscription_ratio``;
+- least-loaded first: most idle GPUs now, then the lowest subscription ratio, then the name (stable).
+Placement never promises a grant: grants are the node agent's decision at cell time (D1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class PlacementError(RuntimeError):
+    """Not enough suitable nodes; the message says why, for the user."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the scheduler knows of one node (reported by its agent)."""
+
+    name: str
+    gpu_count: int
+    pending: int  # GPUs of replicas already placed there
+    committed: int  # GPUs granted right now
+    schedulable: bool = True
+
+    @property
+    def idle(self) -> int:
+        return self.gpu_count - self.committed
+
+    def ratio_after(self, gpus: int, replicas: int) -> float:
+        if self.gpu_count == 0:
+            return 0.0
+        return (self.pending + gpus) / (self.gpu_count * replicas)
+
+
+def place_replicas(
+    nodes: Sequence[NodeView],
+    gpus: int,
+    replicas: int,
+    max_subscription_ratio: float,
+    exclude: Sequence[str] = (),
+) -> list[NodeView]:
+    """Choose ``replicas`` distinct nodes for a kernel whose cells each need ``gpus`` GPUs."""
+    if replicas < 1:
+        raise PlacementError("a kernel needs at least one replica")
+    if gpus < 0:
+        raise PlacementError("a kernel cannot ask for a negative number of GPUs")
+    live = [n for n in nodes if n.schedulable and n.name not in exclude]
+    big_enough = [n for n in live if n.gpu_count >= gpus]
+    admitted = [n for n in big_enough if gpus == 0 or n.ratio_after(gpus, replicas) <= max_subscription_ratio]
+    if len(admitted) < replicas:
+        raise PlacementError(
+            f"cannot place {replicas} replica(s) needing {gpus} GPU(s) each: "
+            f"{len(live)} schedulable node(s), {len(big_enough)} with at least {gpus} GPU(s), "
+            f"{len(admitted)} under the subscription ratio {max_subscription_ratio:g}"
+        )
+    admitted.sort(key=lambda n: (-n.idle, n.ratio_after(gpus, replicas), n.name))
+    return admitted[:replicas]
