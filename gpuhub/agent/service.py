@@ -1,0 +1,320 @@
+"""The node agent's state: its GPUs, the units it started, and the per-cell leases.
+
+systemd (or the process runner) is the source of truth for what runs; the state file keeps what
+systemd cannot (who a unit belongs to, its GPU spec, live leases) so an agent restart stops nothing
+and forgets nothing (DESIGN D5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
+from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
+from gpuhub.config import AgentConfig
+from gpuhub.gpus.fake import FakeInventory
+from gpuhub.gpus.inventory import GpuInventory, open_inventory
+
+log = logging.getLogger(__name__)
+
+CONNECTION_FILE = "connection.json"
+
+
+@dataclass
+class UnitRecord:
+    name: str
+    kind: str
+    user: str
+    gpus: int
+    kernel_id: str = ""
+    lease_token_sha256: str = ""
+    created_at: float = 0.0
+    connection: dict | None = None  # kernels: ip, ports, transport, signature_scheme (no key)
+
+
+def sha256(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def free_ports(ip: str, n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((ip, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return True  # no pid to check: the unit check decides
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, inventory: GpuInventory | None = None) -> None:
+        self.config = config
+        self.inventory = inventory or open_inventory(
+            config.gpus.get("backend", "auto"), config.gpus.get("fake"), config.node_name
+        )
+        self.book = LeaseBook(self.inventory.count())
+        self.runner = make_runner(config.unit_backend, config.runtime_dir, config.min_uid)
+        self.units: dict[str, UnitRecord] = {}
+        self.state_path = Path(config.state_dir) / "state.json"
+        self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
+        self._gpu_cache: tuple[float, list] = (0.0, [])
+
+    # --- persistence ---------------------------------------------------------
+    def save(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        data = {
+            "node": self.config.node_name,
+            "units": {n: asdict(u) for n, u in self.units.items()},
+            "leases": [lease.to_dict() for lease in self.book.leases.values()],
+        }
+        tmp = self.state_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.state_path)
+
+    async def recover(self) -> None:
+        """Rebuild units and leases from the state file and systemd; stop nothing."""
+        data = {}
+        if self.state_path.exists():
+            try:
+                data = json.loads(self.state_path.read_text())
+            except ValueError:
+                bad = self.state_path.with_suffix(f".corrupt-{int(time.time())}")
+                os.replace(self.state_path, bad)
+                log.error("state file was corrupt; kept it as %s and rebuilt from systemd", bad)
+        for name, raw in data.get("units", {}).items():
+            self.units[name] = UnitRecord(**raw)
+        running = set(await self.runner.list())
+        for name in running - set(self.units):
+            # A unit systemd knows but our state lost: adopt it from its environment file.
+            env = self.runner.read_env(name)
+            token = env.get("GPUHUB_LEASE_TOKEN", "")
+            self.units[name] = UnitRecord(
+                name=name,
+                kind=name.split("-")[1],
+                user=(await self.runner.status(name)).user or "",
+                gpus=int(env.get("GPUHUB_KERNEL_GPUS", "0") or 0),
+                kernel_id=env.get("GPUHUB_KERNEL_ID", ""),
+                lease_token_sha256=sha256(token) if token else "",
+                created_at=time.time(),
+            )
+            log.warning("adopted unit %s found in systemd but not in the state file", name)
+        for name in list(self.units):
+            st = await self.runner.status(name)
+            if not st.active and st.state in ("gone", "inactive"):
+                log.info("unit %s is no longer running; forgetting it", name)
+                self._forget(name)
+        for raw in data.get("leases", []):
+            lease = Lease.from_dict(raw)
+            if lease.holder in self.units and pid_alive(lease.holder_pid):
+                self.book.leases[lease.lease_id] = lease
+        for u in self.units.values():
+            if u.kind == "kernel":
+                self.book.place(u.name, u.gpus)
+        self._sync_fake()
+        self.save()
+        log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
+
+    # --- GPUs ----------------------------------------------------------------
+    def gpus(self) -> list:
+        now = time.monotonic()
+        if now - self._gpu_cache[0] > 1.0:
+            self._gpu_cache = (now, self.inventory.gpus())
+        return self._gpu_cache[1]
+
+    def _sync_fake(self) -> None:
+        if isinstance(self.inventory, FakeInventory):
+            self.inventory.mark_busy(self.book.busy)
+            self._gpu_cache = (0.0, [])
+
+    def node_info(self) -> dict:
+        return {
+            "node": self.config.node_name,
+            "url": self.config.advertise_url,
+            "roles": list(self.config.roles),
+            "gpu_backend": self.inventory.backend,
+            "gpu_count": self.book.gpu_count,
+            "gpus": [g.to_dict() for g in self.gpus()],
+            "pending": self.book.pending,
+            "committed": self.book.committed,
+            "leases": [lease.to_dict() for lease in self.book.leases.values()],
+            "units": len(self.units),
+        }
+
+    # --- units ---------------------------------------------------------------
+    def unit_view(self, u: UnitRecord, state: str | None = None, pid: int | None = None) -> dict:
+        d = asdict(u)
+        d.pop("lease_token_sha256")
+        d["node"] = self.config.node_name
+        if state is not None:
+            d["state"] = state
+            d["main_pid"] = pid
+        return d
+
+    def kernel_command(self, conn_path: Path) -> list[str]:
+        python = sys.executable if self.config.unit_backend == "process" else f"{self.config.venv}/bin/python"
+        return [python, "-m", "gpuhub.kernel", "-f", str(conn_path)]
+
+    def local_agent_url(self) -> str:
+        host = self.config.listen_address
+        if host in ("0.0.0.0", "::", "127.0.0.1", "localhost"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.config.port}"
+
+    async def start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
+                         argv: list[str] | None, key: str = "", kernel_id: str = "") -> dict:
+        if not UNIT_NAME.match(name) or not name.startswith(f"gpuhub-{kind}-"):
+            raise UnitError(f"unit name must look like gpuhub-{kind}-<id> (lowercase), not {name!r}")
+        if gpus < 0 or gpus > self.book.gpu_count:
+            raise LeaseError(f"unit asks for {gpus} GPU(s) per cell but this node has {self.book.gpu_count}")
+        if name in self.units:
+            st = await self.runner.status(name)
+            if st.active:
+                return self.unit_view(self.units[name], st.state, st.main_pid)  # idempotent start
+            await self.runner.stop(name)
+            self._forget(name)
+        limits = self.config.limits
+        record = UnitRecord(name=name, kind=kind, user=user, gpus=gpus, kernel_id=kernel_id, created_at=time.time())
+        files = {}
+        env = dict(env)
+        if kind == "kernel":
+            if not key:
+                raise UnitError("a kernel unit needs the kernel's connection key")
+            token = secrets.token_urlsafe(32)
+            record.lease_token_sha256 = sha256(token)
+            ports = free_ports(self.config.kernel_ip, 5)
+            conn = {
+                "ip": self.config.kernel_ip,
+                "transport": "tcp",
+                "signature_scheme": "hmac-sha256",
+                "shell_port": ports[0],
+                "iopub_port": ports[1],
+                "stdin_port": ports[2],
+                "control_port": ports[3],
+                "hb_port": ports[4],
+                "kernel_name": "",
+            }
+            record.connection = conn
+            files[CONNECTION_FILE] = json.dumps({**conn, "key": key})
+            env.update(
+                GPUHUB_AGENT_URL=self.local_agent_url(),
+                GPUHUB_LEASE_TOKEN=token,
+                GPUHUB_KERNEL_GPUS=str(gpus),
+                GPUHUB_KERNEL_ID=kernel_id,
+                GPUHUB_NODE=self.config.node_name,
+                GPUHUB_NOTEBOOK_DIR=cwd,
+            )
+            argv = self.kernel_command(self.runner.unit_dir(name) / CONNECTION_FILE)
+            memory, cpu = limits.get("kernel_memory_max", ""), limits.get("kernel_cpu_quota", "")
+        else:
+            if not argv or not all(isinstance(a, str) for a in argv):
+                raise UnitError("a server unit needs 'argv', a list of strings")
+            memory, cpu = limits.get("server_memory_max", ""), limits.get("server_cpu_quota", "")
+        spec = UnitSpec(name=name, kind=kind, user=user, argv=argv, env=env, cwd=cwd,
+                        memory_max=memory, cpu_quota=cpu, files=files)
+        st = await self.runner.start(spec)
+        self.units[name] = record
+        if kind == "kernel":
+            self.book.place(name, gpus)
+        self.save()
+        log.info("started %s unit %s for %s (%d GPU(s) per cell)", kind, name, user, gpus)
+        return self.unit_view(record, st.state, st.main_pid)
+
+    async def stop_unit(self, name: str) -> bool:
+        known = name in self.units
+        await self.runner.stop(name)
+        if known:
+            self._forget(name)
+            self.save()
+            log.info("stopped unit %s", name)
+        return known
+
+    def _forget(self, name: str) -> None:
+        self.units.pop(name, None)
+        self.book.unplace(name)
+        self.book.release_holder(name)
+        self._sync_fake()
+
+    async def unit_status(self, name: str) -> dict | None:
+        u = self.units.get(name)
+        if u is None:
+            return None
+        st = await self.runner.status(name)
+        return self.unit_view(u, st.state, st.main_pid)
+
+    # --- leases --------------------------------------------------------------
+    def unit_for_lease_token(self, token: str | None) -> UnitRecord | None:
+        if not token:
+            return None
+        digest = sha256(token)
+        for u in self.units.values():
+            if u.lease_token_sha256 and secrets.compare_digest(u.lease_token_sha256, digest):
+                return u
+        return None
+
+    def grant(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
+        if gpus > unit.gpus:
+            raise LeaseError(f"{unit.name} was placed with {unit.gpus} GPU(s) per cell; it asked for {gpus}")
+        lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid)
+        self.counters["granted" if lease else "refused"] += 1
+        if lease:
+            self._sync_fake()
+            self.save()
+        return lease
+
+    def release(self, unit: UnitRecord, lease_id: str) -> bool:
+        lease = self.book.leases.get(lease_id)
+        if lease is None or lease.holder != unit.name:
+            return False  # idempotent; and a unit can only release its own leases
+        self.book.release(lease_id)
+        self.counters["released"] += 1
+        self._sync_fake()
+        self.save()
+        return True
+
+    def gpu_uuids(self, lease: Lease) -> list[dict]:
+        gpus = self.gpus()
+        return [{"index": i, "uuid": gpus[i].uuid} for i in lease.gpus]
+
+    async def expire_leases(self) -> list[Lease]:
+        dead_units = set()
+        for name in {lease.holder for lease in self.book.leases.values()}:
+            st = await self.runner.status(name)
+            if not st.active:
+                dead_units.add(name)
+        gone = self.book.expire(
+            time.time(), lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
+        )
+        if gone:
+            self.counters["expired"] += len(gone)
+            for lease in gone:
+                log.warning("lease %s of %s expired (holder gone)", lease.lease_id, lease.holder)
+            self._sync_fake()
+            self.save()
+        return gone

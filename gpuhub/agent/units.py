@@ -1,0 +1,247 @@
+"""Start, stop and list units (kernel replicas, user notebook servers) as the user, never root.
+
+``SystemdRunner`` is the real thing: transient units through ``systemd-run`` with limits,
+``NoNewPrivileges`` and a 0400 environment file for secrets (DESIGN D6). ``ProcessRunner`` runs
+plain child processes, for trying gpuhub on one machine and for fast tests; it is never used by the
+Ansible roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import re
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+UNIT_NAME = re.compile(r"^gpuhub-(kernel|server)-[a-z0-9][a-z0-9_.-]{0,120}$")
+
+
+class UnitError(RuntimeError):
+    """Starting/stopping a unit failed; the message is for the API client."""
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    kind: str  # "kernel" | "server"
+    user: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    memory_max: str = ""
+    cpu_quota: str = ""
+    files: dict[str, str] = field(default_factory=dict)  # private files the unit reads, by name
+
+
+@dataclass
+class UnitStatus:
+    name: str
+    active: bool
+    state: str  # active | activating | inactive | failed | gone
+    main_pid: int | None
+    user: str | None
+
+
+def lookup_user(name: str, min_uid: int) -> pwd.struct_passwd:
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise UnitError(f"user {name!r} does not exist on this node") from None
+    if pw.pw_uid == 0 or pw.pw_uid < min_uid:
+        raise UnitError(f"refusing to run as {name!r} (uid {pw.pw_uid} is below min_uid {min_uid})")
+    return pw
+
+
+def write_private(path: Path, content: str, uid: int, gid: int, mode: int = 0o400) -> None:
+    """Write a file only its owner can read, without a moment where others could."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, content.encode())
+    finally:
+        os.close(fd)
+    os.chown(tmp, uid, gid)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    lines = []
+    for k, v in env.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise UnitError(f"invalid environment variable name {k!r}")
+        if "\n" in v:
+            raise UnitError(f"environment variable {k} contains a newline")
+        escaped = v.replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'{k}="{escaped}"')
+    return "\n".join(lines) + "\n"
+
+
+class SystemdRunner:
+    backend = "systemd"
+
+    def __init__(self, runtime_dir: str, min_uid: int) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self.min_uid = min_uid
+
+    def unit_dir(self, name: str) -> Path:
+        return self.runtime_dir / "units" / name
+
+    async def _run(self, *argv: str, check: bool = True) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+        out, err = await proc.communicate()
+        if check and proc.returncode != 0:
+            raise UnitError(f"{argv[0]} {argv[1]} failed: {err.decode().strip() or out.decode().strip()}")
+        return out.decode()
+
+    async def start(self, spec: UnitSpec) -> UnitStatus:
+        pw = lookup_user(spec.user, self.min_uid)
+        udir = self.unit_dir(spec.name)
+        udir.mkdir(parents=True, exist_ok=True)
+        os.chown(udir, pw.pw_uid, pw.pw_gid)
+        os.chmod(udir, 0o700)
+        for fname, content in spec.files.items():
+            write_private(udir / fname, content, pw.pw_uid, pw.pw_gid)
+        # The environment file is read by PID 1 (root), so it stays root-owned 0400.
+        env_path = self.runtime_dir / "units" / f"{spec.name}.env"
+        write_private(env_path, env_file_text(spec.env), 0, 0)
+        cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else pw.pw_dir
+        props = [
+            f"EnvironmentFile={env_path}",
+            "NoNewPrivileges=yes",
+            "PrivateTmp=yes",
+            "KillMode=control-group",
+            "TimeoutStopSec=15",
+            f"Description=gpuhub {spec.kind} for {spec.user}",
+        ]
+        if spec.memory_max:
+            props.append(f"MemoryMax={spec.memory_max}")
+        if spec.cpu_quota:
+            props.append(f"CPUQuota={spec.cpu_quota}")
+        argv = ["systemd-run", "--unit", spec.name, "--uid", str(pw.pw_uid), "--gid", str(pw.pw_gid),
+                "--working-directory", cwd, "--slice", f"gpuhub-{spec.kind}s.slice", "--quiet"]
+        for p in props:
+            argv += ["-p", p]
+        argv += ["--", *spec.argv]
+        await self._run(*argv)
+        return await self.status(spec.name)
+
+    async def status(self, name: str) -> UnitStatus:
+        out = await self._run(
+            "systemctl", "show", name, "--property=ActiveState,MainPID,User,LoadState", check=False
+        )
+        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        if props.get("LoadState") in (None, "not-found"):
+            return UnitStatus(name, False, "gone", None, None)
+        state = props.get("ActiveState", "inactive")
+        pid = int(props.get("MainPID", "0") or 0) or None
+        return UnitStatus(name, state in ("active", "activating", "reloading"), state, pid, props.get("User") or None)
+
+    async def list(self) -> list[str]:
+        out = await self._run(
+            "systemctl", "list-units", "--all", "--no-legend", "--plain", "gpuhub-kernel-*", "gpuhub-server-*",
+            check=False,
+        )
+        return [line.split()[0].removesuffix(".service") for line in out.splitlines() if line.strip()]
+
+    async def stop(self, name: str) -> None:
+        await self._run("systemctl", "stop", f"{name}.service", check=False)
+        await self._run("systemctl", "reset-failed", f"{name}.service", check=False)
+        self.cleanup_files(name)
+
+    def cleanup_files(self, name: str) -> None:
+        (self.runtime_dir / "units" / f"{name}.env").unlink(missing_ok=True)
+        udir = self.unit_dir(name)
+        if udir.is_dir():
+            for f in udir.iterdir():
+                f.unlink(missing_ok=True)
+            udir.rmdir()
+
+    def read_env(self, name: str) -> dict[str, str]:
+        """Recover a unit's environment (its lease token) after an agent restart."""
+        env = {}
+        try:
+            text = (self.runtime_dir / "units" / f"{name}.env").read_text()
+        except FileNotFoundError:
+            return env
+        for line in text.splitlines():
+            k, _, v = line.partition("=")
+            if v.startswith('"') and v.endswith('"'):
+                v = v[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+            env[k] = v
+        return env
+
+
+class ProcessRunner(SystemdRunner):
+    """Development backend: units are child processes of the agent, run as the agent's own user."""
+
+    backend = "process"
+
+    def __init__(self, runtime_dir: str, min_uid: int) -> None:
+        super().__init__(runtime_dir, min_uid)
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    async def start(self, spec: UnitSpec) -> UnitStatus:
+        me = pwd.getpwuid(os.getuid())
+        if spec.user != me.pw_name:
+            raise UnitError(f"the process backend runs units as {me.pw_name!r} only, not {spec.user!r}")
+        udir = self.unit_dir(spec.name)
+        udir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for fname, content in spec.files.items():
+            write_private(udir / fname, content, me.pw_uid, me.pw_gid)
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(spec.env)
+        cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir
+        log_path = udir / "output.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                spec.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._procs[spec.name] = proc
+        return await self.status(spec.name)
+
+    async def status(self, name: str) -> UnitStatus:
+        proc = self._procs.get(name)
+        if proc is None:
+            return UnitStatus(name, False, "gone", None, None)
+        code = proc.poll()
+        if code is None:
+            return UnitStatus(name, True, "active", proc.pid, pwd.getpwuid(os.getuid()).pw_name)
+        return UnitStatus(name, False, "inactive" if code == 0 else "failed", None, None)
+
+    async def list(self) -> list[str]:
+        return list(self._procs)
+
+    async def stop(self, name: str) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            for _ in range(50):
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.cleanup_files(name)
+
+    def read_env(self, name: str) -> dict[str, str]:
+        return {}
+
+
+def make_runner(backend: str, runtime_dir: str, min_uid: int) -> SystemdRunner:
+    return (ProcessRunner if backend == "process" else SystemdRunner)(runtime_dir, min_uid)

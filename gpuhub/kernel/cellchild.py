@@ -1,0 +1,174 @@
+"""The forked child that runs one GPU cell (DESIGN D2).
+
+The replica process never initialises CUDA. For each cell it forks; this child sets
+``CUDA_VISIBLE_DEVICES`` to exactly the granted GPUs *before any user code runs*, runs the cell
+against its copy-on-write view of the namespace, streams outputs to the parent over a pipe, and
+finally sends back what the cell changed (GPU values moved to the host). When it exits, the driver
+frees its GPU memory. Nothing here may touch ZeroMQ: the parent's sockets are not fork-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import ctypes
+import getpass
+import hashlib
+import io
+import os
+import signal
+import sys
+import types
+
+import cloudpickle
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+
+from gpuhub.kernel import devices
+from gpuhub.kernel.pipe import FrameReader, FrameWriter
+
+PR_SET_PDEATHSIG = 1
+IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), frozenset, range, types.ModuleType,
+             types.FunctionType, types.BuiltinFunctionType, type)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class PipeStream(io.TextIOBase):
+    def __init__(self, name: str, chan: FrameWriter) -> None:
+        self.name = name
+        self.chan = chan
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.chan.send("stream", self.name, str(text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+class PipeDisplayPublisher(DisplayPublisher):
+    def __init__(self, chan: FrameWriter, **kw) -> None:
+        super().__init__(**kw)
+        self.chan = chan
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw) -> None:
+        self.chan.send("display", data, metadata or {}, transient or {}, update)
+
+    def clear_output(self, wait: bool = False) -> None:
+        self.chan.send("clear", wait)
+
+
+class PipeDisplayHook(DisplayHook):
+    def __init__(self, chan: FrameWriter, **kw) -> None:
+        super().__init__(**kw)
+        self.chan = chan
+
+    def write_output_prompt(self) -> None:
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None) -> None:
+        self.chan.send("result", format_dict, md_dict or {})
+
+    def finish_displayhook(self) -> None:
+        pass
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions: dict,
+        gpu_uuids: list[str], out_fd: int, in_fd: int, digests: dict[str, str],
+        device_tags: dict[str, int], hidden: set[str]) -> None:
+    """Run one cell in this (child) process and report to the parent. Never returns normally."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+    chan, replies = FrameWriter(out_fd), FrameReader(in_fd)
+
+    # A fresh event loop: the parent's loop was mid-iteration when we forked.
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+
+    sys.stdout = PipeStream("stdout", chan)
+    sys.stderr = PipeStream("stderr", chan)
+    shell.display_pub = PipeDisplayPublisher(chan, shell=shell)
+    hook = PipeDisplayHook(chan, shell=shell, cache_size=shell.cache_size)
+    shell.displayhook = hook
+    shell.display_trap.hook = hook
+
+    def showtraceback(self, etype, evalue, stb):
+        self._last_traceback = stb
+        chan.send("error", {"ename": etype.__name__, "evalue": str(evalue), "traceback": stb})
+
+    shell._showtraceback = types.MethodType(showtraceback, shell)
+
+    def relayed_input(prompt: str = "", password: bool = False) -> str:
+        chan.send("input", str(prompt), password)
+        reply = replies.recv_blocking()
+        if reply is None or reply[0] != "input_reply":
+            raise EOFError("the kernel went away while waiting for input")
+        if reply[1] is None:
+            raise RuntimeError(reply[2])
+        return reply[1]
+
+    builtins.input = relayed_input
+    getpass.getpass = lambda prompt="Password: ", stream=None: relayed_input(prompt, True)
+
+    ns = shell.user_ns
+    for name, index in device_tags.items():
+        if name in ns:
+            ns[name] = devices.to_device(ns[name], index)
+    before = {k: id(v) for k, v in ns.items() if k not in hidden}
+
+    # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
+    result = shell.run_cell(code, store_history=False, silent=silent)
+    err = result.error_before_exec or result.error_in_exec
+    done = {"status": "ok" if result.success else "error"}
+    if not result.success:
+        done.update(ename=type(err).__name__, evalue=str(err), traceback=shell._last_traceback or [])
+        done["user_expressions"] = {}
+    else:
+        done["user_expressions"] = shell.user_expressions(user_expressions or {})
+    done["payload"] = shell.payload_manager.read_payload()
+    chan.send("done", done)
+    chan.send("delta", namespace_delta(ns, before, digests, hidden))
+
+
+def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str]) -> dict:
+    """What the cell changed: new or rebound names, mutated objects (by content digest), deletions."""
+    changed: dict[str, bytes] = {}
+    tags: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    for name, value in list(ns.items()):
+        if name in hidden or name.startswith("_"):
+            continue
+        rebound = before.get(name) != id(value)
+        if not rebound and isinstance(value, IMMUTABLE):
+            continue
+        try:
+            host_value, index = devices.to_host(value)
+            data = cloudpickle.dumps(host_value, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is reported by name
+            if rebound:
+                failed[name] = f"{type(value).__name__}: {exc}"
+            continue
+        if rebound or digests.get(name) != digest(data):
+            changed[name] = data
+            if index is not None:
+                tags[name] = index
+    deleted = [name for name in before if name not in ns and not name.startswith("_")]
+    return {"set": changed, "deleted": deleted, "device_tags": tags, "failed": failed}

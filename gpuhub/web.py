@@ -1,0 +1,119 @@
+"""Shared HTTP plumbing for the agent and scheduler APIs (tornado): tokens, JSON in and out."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.web import HTTPError, RequestHandler
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(HTTPError):
+    """An error the client gets as ``{"error": message}`` with this status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, reason=None)
+        self.message = message
+
+
+def bearer_token(handler: RequestHandler) -> str | None:
+    header = handler.request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() in ("bearer", "token") and value.strip():
+        return value.strip()
+    return None
+
+
+def tokens_equal(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+class JsonHandler(RequestHandler):
+    """Base handler: JSON bodies, JSON errors, and no token or body ever written to logs."""
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+
+    def json_body(self) -> dict[str, Any]:
+        if not self.request.body:
+            return {}
+        try:
+            body = json.loads(self.request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def write_json(self, obj: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(obj))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = getattr(exc, "message", None) or self._reason
+        if status_code == 401:
+            self.set_header("WWW-Authenticate", 'Bearer realm="gpuhub"')
+        self.finish(json.dumps({"error": message}))
+
+    def log_exception(self, typ, value, tb) -> None:  # noqa: D401 - tornado hook
+        if isinstance(value, ApiError):
+            log.info("%s %s -> %d: %s", self.request.method, self.request.path, value.status_code, value.message)
+        else:
+            super().log_exception(typ, value, tb)
+
+
+def field(body: dict, name: str, kind: type | tuple, required: bool = True, default: Any = None) -> Any:
+    """Read one field of a request body, or raise a 400 that names it."""
+    if name not in body:
+        if required:
+            raise ApiError(400, f"missing field {name!r}")
+        return default
+    value = body[name]
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise ApiError(400, f"field {name!r} must be a number")
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ApiError(400, f"field {name!r} must be of type {names}")
+    return value
+
+
+class ApiClientError(RuntimeError):
+    def __init__(self, status: int, message: str, url: str) -> None:
+        super().__init__(f"{url}: {status} {message}")
+        self.status = status
+        self.message = message
+
+
+async def call_json(
+    method: str, url: str, token: str, body: Any = None, timeout: float = 20.0
+) -> tuple[int, Any]:
+    """One authenticated JSON request; returns (status, body). Raises ApiClientError on failure."""
+    req = HTTPRequest(
+        url,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        body=None if body is None and method in ("GET", "DELETE") else json.dumps(body or {}),
+        request_timeout=timeout,
+        connect_timeout=min(timeout, 5.0),
+        allow_nonstandard_methods=True,
+    )
+    try:
+        resp = await AsyncHTTPClient().fetch(req)
+    except HTTPClientError as exc:
+        message = exc.message
+        if exc.response is not None and exc.response.body:
+            try:
+                message = json.loads(exc.response.body).get("error", message)
+            except ValueError:
+                pass
+        raise ApiClientError(exc.code, message, url) from None
+    except OSError as exc:
+        raise ApiClientError(0, f"cannot reach: {exc}", url) from None
+    return resp.code, json.loads(resp.body) if resp.body else None

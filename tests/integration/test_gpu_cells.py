@@ -1,0 +1,165 @@
+"""A GPU kernel started by a real agent runs each cell in a forked child holding a per-cell lease."""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from tests.conftest import current_user
+
+
+def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1, env=None):
+    key = secrets.token_hex(16)
+    status, unit = agent.call("POST", "/api/v1/units", {
+        "name": name, "kind": "kernel", "user": current_user(), "gpus": gpus,
+        "env": env or {}, "kernel": {"key": key, "kernel_id": name},
+    })
+    assert status == 201, unit
+    kc = BlockingKernelClient()
+    kc.load_connection_info({**unit["connection"], "key": key})
+    kc.start_channels()
+    kc.wait_for_ready(timeout=30)
+    return kc, unit
+
+
+def run(kc, code, timeout=30, stdin=None):
+    """Execute and collect (reply content, stdout, stderr, results, errors)."""
+    out = {"stdout": "", "stderr": "", "results": [], "errors": [], "displays": []}
+
+    def on_output(msg):
+        t, c = msg["msg_type"], msg["content"]
+        if t == "stream":
+            out[c["name"]] += c["text"]
+        elif t == "execute_result":
+            out["results"].append(c["data"].get("text/plain"))
+        elif t == "display_data":
+            out["displays"].append(c["data"])
+        elif t == "error":
+            out["errors"].append(c["ename"])
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=on_output,
+                                   allow_stdin=stdin is not None, stdin_hook=stdin)
+    return reply["content"], out
+
+
+@pytest.fixture
+def gpu_kernel(make_agent):
+    agent = make_agent("gpunode", gpus=2)
+    kc, unit = start_kernel(agent)
+    yield agent, kc, unit
+    kc.stop_channels()
+
+
+def test_cell_sees_exactly_its_granted_gpu_and_lease_is_released(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    _, node = agent.call("GET", "/api/v1/node")
+    uuids = [g["uuid"] for g in node["gpus"]]
+    reply, out = run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+    assert reply["status"] == "ok", out
+    assert out["stdout"].strip() in uuids
+    _, node = agent.call("GET", "/api/v1/node")
+    assert node["committed"] == 0 and node["pending"] == 1
+
+
+def test_gpu_committed_while_cell_runs(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    msg_id = kc.execute("import time; time.sleep(3)")
+    deadline, seen = time.monotonic() + 3, 0
+    while time.monotonic() < deadline and not seen:
+        seen = agent.call("GET", "/api/v1/node")[1]["committed"]
+        time.sleep(0.1)
+    assert seen == 1
+    reply = kc.get_shell_msg(timeout=20)
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
+    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+
+
+def test_namespace_changes_come_back(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    assert run(kc, "a = [1, 2]\nb = 'x'\ndef f(n):\n    return n * 2\nclass C:\n    v = 3")[0]["status"] == "ok"
+    assert run(kc, "a.append(3)\ndel b\nc = f(21) + C.v")[0]["status"] == "ok"
+    reply, out = run(kc, "print(a, 'b' in dir(), c, f(1))")
+    assert out["stdout"].strip() == "[1, 2, 3] False 45 2"
+    reply, out = run(kc, "c")
+    assert out["results"] == ["45"] and reply["execution_count"] >= 4
+
+
+def test_rich_output_errors_and_unpicklable_warning(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    _, out = run(kc, "from IPython.display import display, HTML\ndisplay(HTML('<b>hi</b>'))")
+    assert out["displays"] and out["displays"][0]["text/html"] == "<b>hi</b>"
+    reply, out = run(kc, "1/0")
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
+    assert out["errors"] == ["ZeroDivisionError"]
+    reply, out = run(kc, "gen = (i for i in range(3))\nz = 5")
+    assert reply["status"] == "ok"
+    assert "'gen'" in out["stderr"] and "warning" in out["stderr"]
+    reply, out = run(kc, "print(z)")
+    assert out["stdout"].strip() == "5"
+
+
+def test_interrupt_reaches_the_cell_and_frees_the_gpu(gpu_kernel):
+    agent, kc, unit = gpu_kernel
+    run(kc, "before = 1")
+    kc.execute("import time\nbefore = 2\ntime.sleep(60)")
+    time.sleep(1.5)
+    from jupyter_client.session import Session  # noqa: F401 - message is sent by the client below
+
+    kc.control_channel.send(kc.session.msg("interrupt_request", {}))
+    reply = kc.get_shell_msg(timeout=15)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+    _, out = run(kc, "print(before)")
+    assert out["stdout"].strip() == "2"  # what ran before the interrupt is kept, as in plain IPython
+
+
+def test_input_is_relayed(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    answers = queue.Queue()
+
+    def stdin_hook(msg):
+        answers.put(msg["content"]["prompt"])
+        kc.input("forty-two")
+
+    _, out = run(kc, "v = input('value? ')\nprint('got', v)", stdin=stdin_hook)
+    assert answers.get_nowait() == "value? "
+    assert out["stdout"].strip() == "got forty-two"
+
+
+def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
+    agent = make_agent("gpunode", gpus=2)
+    kcs = [start_kernel(agent, name=f"gpuhub-kernel-k{i}")[0] for i in range(3)]
+    code = "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(4)"
+    results = {}
+
+    def go(i):
+        results[i] = run(kcs[i], code, timeout=60)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    t3 = threading.Thread(target=go, args=(2,))
+    t3.start()
+    for t in threads + [t3]:
+        t.join()
+    first = {results[i][1]["stdout"].strip() for i in range(2)}
+    assert len(first) == 2, results
+    assert "waiting for 1 GPU" in results[2][1]["stderr"]
+    assert results[2][0]["status"] == "ok"
+    for kc in kcs:
+        kc.stop_channels()
+
+
+def test_killed_cell_process_reports_error_and_keeps_namespace(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    reply, out = run(kc, "import os, signal\nx = 2\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert reply["status"] == "error" and reply["ename"] == "CellProcessDied"
+    _, out = run(kc, "print(x)")
+    assert out["stdout"].strip() == "1"
