@@ -1,0 +1,1 @@
+"""Monitoring as code: Grafana dashboards for gpuhub (see docs/monitoring.md)."""
