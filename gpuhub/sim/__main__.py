@@ -1,0 +1,3 @@
+from gpuhub.sim.cli import main
+
+raise SystemExit(main())
