@@ -1,0 +1,142 @@
+"""JupyterHub spawner: the user's Jupyter server as a systemd unit on a notebook host.
+
+Built on batchspawner's ``BatchSpawnerBase`` (submit / query / cancel), but it talks to the
+notebook host's gpuhub-agent API instead of running shell commands. Works around batchspawner
+1.3.0's quirks (see docs/architecture.md): ``ip`` is a class default; ``PATH`` is passed explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import re
+from urllib.parse import urlparse
+
+from batchspawner import BatchSpawnerBase, JobStatus
+from traitlets import Dict, List, Unicode, default
+
+from gpuhub.config import read_secret
+from gpuhub.web import ApiClientError, call_json
+
+DEFAULT_PROFILES = [
+    {"name": "cpu", "display": "CPU only", "gpus": 0},
+    {"name": "gpu1", "display": "1 GPU per cell", "gpus": 1},
+]
+
+
+def unit_name_for(user: str, server: str) -> str:
+    raw = f"{user}-{server}" if server else user
+    safe = re.sub(r"[^a-z0-9_.-]", "-", raw.lower()).strip("-.") or "user"
+    if safe != raw:  # keep names unique when sanitising changed them
+        safe = f"{safe}-{hashlib.sha256(raw.encode()).hexdigest()[:6]}"
+    return f"gpuhub-server-{safe}"
+
+
+class GpuhubSpawner(BatchSpawnerBase):
+    # batchspawner reads ip from the class default on start (config is ignored there).
+    ip = Unicode("0.0.0.0")
+
+    agent_url = Unicode("http://127.0.0.1:8601", config=True, help="The notebook host's gpuhub-agent")
+    agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True)
+    venv = Unicode("/opt/gpuhub/venv", config=True)
+    profiles = List(Dict(), config=True, help="[{name, display, gpus}] offered on the spawn form")
+    server_args = List(Unicode(), config=True, help="Extra arguments for jupyterhub-singleuser")
+
+    @default("profiles")
+    def _default_profiles(self):
+        return list(DEFAULT_PROFILES)
+
+    @default("batchspawner_singleuser_cmd")
+    def _default_bs_cmd(self):
+        return f"{self.venv}/bin/batchspawner-singleuser"
+
+    @default("cmd")
+    def _default_cmd(self):
+        return [f"{self.venv}/bin/jupyterhub-singleuser"]
+
+    @default("default_url")
+    def _default_default_url(self):
+        return "/lab"
+
+    # --- the profile form ----------------------------------------------------
+    def _options_form_default(self):
+        rows = []
+        for i, p in enumerate(self.profiles):
+            checked = " checked" if i == 0 else ""
+            name, label = html.escape(str(p["name"])), html.escape(str(p.get("display", p["name"])))
+            rows.append(f'<div class="radio"><label><input type="radio" name="profile" value="{name}"{checked}> '
+                        f"{label}</label></div>")
+        return "<p>Kernels get their GPUs only while a cell runs.</p>" + "\n".join(rows)
+
+    def options_from_form(self, formdata):
+        return {"profile": formdata.get("profile", [self.profiles[0]["name"]])[0]}
+
+    def profile(self) -> dict:
+        wanted = (self.user_options or {}).get("profile") or self.profiles[0]["name"]
+        for p in self.profiles:
+            if p["name"] == wanted:
+                return p
+        names = ", ".join(p["name"] for p in self.profiles)
+        raise ValueError(f"unknown profile {wanted!r}; choose one of: {names}")
+
+    # --- batchspawner's three verbs, through the agent -------------------------
+    @property
+    def _token(self) -> str:
+        return read_secret(self.agent_token_file, "agent")
+
+    async def submit_batch_script(self):
+        profile = self.profile()
+        env = self.get_env()
+        env["PATH"] = f"{self.venv}/bin:/usr/local/bin:/usr/bin:/bin"
+        env["GPUHUB_PROFILE"] = str(profile["name"])
+        env["GPUHUB_MAX_GPUS"] = str(int(profile.get("gpus", 0)))
+        argv = [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args(), *self.server_args]
+        if int(profile.get("gpus", 0)) > 0:
+            argv.append(f"--MappingKernelManager.default_kernel_name=gpuhub-{profile['name']}")
+        name = unit_name_for(self.user.name, self.name)
+        try:
+            await call_json("POST", f"{self.agent_url}/api/v1/units", self._token, {
+                "name": name, "kind": "server", "user": self.user.name, "argv": argv, "env": env,
+            }, timeout=60)
+        except ApiClientError as exc:
+            raise RuntimeError(f"the notebook host could not start your server: {exc.message}") from None
+        self.job_id = name
+        self.log.info("started %s for %s with profile %s", name, self.user.name, profile["name"])
+        return self.job_id
+
+    async def query_job_status(self):
+        if not self.job_id:
+            self.job_status = ""
+            return JobStatus.NOTFOUND
+        try:
+            _, unit = await call_json("GET", f"{self.agent_url}/api/v1/units/{self.job_id}", self._token, timeout=10)
+            self.job_status = unit.get("state", "")
+        except ApiClientError as exc:
+            self.job_status = "gone" if exc.status == 404 else "unknown"
+        if self.job_status == "active":
+            return JobStatus.RUNNING
+        if self.job_status == "activating":
+            return JobStatus.PENDING
+        if self.job_status == "unknown":
+            return JobStatus.UNKNOWN
+        return JobStatus.NOTFOUND
+
+    async def cancel_batch_job(self):
+        if not self.job_id:
+            return
+        try:
+            await call_json("DELETE", f"{self.agent_url}/api/v1/units/{self.job_id}", self._token, timeout=30)
+        except ApiClientError as exc:
+            self.log.warning("stopping %s failed: %s", self.job_id, exc)
+
+    def state_ispending(self):
+        return self.job_status == "activating"
+
+    def state_isrunning(self):
+        return self.job_status == "active"
+
+    def state_isunknown(self):
+        return self.job_status == "unknown"
+
+    def state_gethost(self):
+        return urlparse(self.agent_url).hostname

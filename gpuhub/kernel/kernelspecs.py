@@ -1,0 +1,61 @@
+"""Kernelspecs for the inventory's profiles: "Python 3 (CPU)", "Python 3 (1 GPU)", …"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def display_name(gpus: int) -> str:
+    if gpus == 0:
+        return "Python 3 (CPU)"
+    return f"Python 3 ({gpus} GPU{'s' if gpus > 1 else ''})"
+
+
+def kernelspec(gpus: int, replicas: int, python: str) -> dict:
+    return {
+        "argv": [python, "-m", "gpuhub.kernel", "-f", "{connection_file}"],
+        "display_name": display_name(gpus),
+        "language": "python",
+        "interrupt_mode": "message",
+        "metadata": {
+            "debugger": False,
+            "kernel_provisioner": {
+                "provisioner_name": "gpuhub-provisioner",
+                "config": {"gpus": gpus, "replicas": replicas},
+            },
+        },
+    }
+
+
+def parse_profile(text: str) -> tuple[str, int]:
+    name, sep, gpus = text.partition(":")
+    if not sep or not name or not gpus.isdigit():
+        raise ValueError(f"profile must look like NAME:GPUS (e.g. gpu1:1), not {text!r}")
+    if not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"profile name {name!r} may contain only letters, digits, '-' and '_'")
+    return name.lower(), int(gpus)
+
+
+def install(prefix: str, profiles: list[tuple[str, int]], replicas: int, prune: bool = True) -> list[str]:
+    """Write one kernelspec per profile under PREFIX/share/jupyter/kernels; return what changed."""
+    root = Path(prefix) / "share" / "jupyter" / "kernels"
+    python = str(Path(prefix) / "bin" / "python")
+    changes = []
+    wanted = set()
+    for name, gpus in profiles:
+        kdir = root / f"gpuhub-{name}"
+        wanted.add(kdir.name)
+        text = json.dumps(kernelspec(gpus, replicas, python), indent=2) + "\n"
+        path = kdir / "kernel.json"
+        if not path.exists() or path.read_text() != text:
+            kdir.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            changes.append(f"changed: {path}")
+    if prune and root.is_dir():
+        for old in root.glob("gpuhub-*"):
+            if old.name not in wanted and (old / "kernel.json").exists():
+                (old / "kernel.json").unlink()
+                old.rmdir()
+                changes.append(f"removed: {old}")
+    return changes

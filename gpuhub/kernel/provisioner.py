@@ -1,0 +1,140 @@
+"""The kernel provisioner inside the user's Jupyter server: kernels are placed by the scheduler.
+
+Selected per kernelspec (``metadata.kernel_provisioner.provisioner_name = "gpuhub-provisioner"``,
+config ``{"gpus": N, "replicas": R}``). The Jupyter server sees an ordinary kernel: this returns the
+replica's connection info and the server talks ZeroMQ to it as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import tomllib
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import KernelProvisionerBase
+from traitlets import Float, Integer, Unicode
+
+from gpuhub.web import ApiClientError, call_json
+
+CLIENT_CONFIG = "/etc/gpuhub/client.toml"
+
+
+class GpuhubProvisioner(KernelProvisionerBase):
+    gpus = Integer(0, config=True, help="GPUs each cell of this kernel gets")
+    replicas = Integer(1, config=True, help="Replicas of this kernel (on distinct nodes)")
+    scheduler_url = Unicode(config=True, help="gpuhub-scheduler URL (default: /etc/gpuhub/client.toml)")
+    poll_cache_s = Float(3.0, config=True, help="How long a poll answer is reused")
+
+    _record: dict | None = None
+    _last_poll: tuple[float, int | None] = (0.0, None)
+
+    def _default_url(self) -> str:
+        url = os.environ.get("GPUHUB_SCHEDULER_URL", "")
+        if not url and os.path.exists(CLIENT_CONFIG):
+            with open(CLIENT_CONFIG, "rb") as f:
+                url = tomllib.load(f).get("scheduler_url", "")
+        if not url:
+            raise RuntimeError(f"gpuhub: no scheduler configured (set scheduler_url in {CLIENT_CONFIG})")
+        return url.rstrip("/")
+
+    @property
+    def _url(self) -> str:
+        return (self.scheduler_url or self._default_url()).rstrip("/")
+
+    @property
+    def _token(self) -> str:
+        token = os.environ.get("GPUHUB_SCHEDULER_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
+        if not token:
+            raise RuntimeError("gpuhub: no token to talk to the scheduler (JUPYTERHUB_API_TOKEN unset)")
+        return token
+
+    @property
+    def has_process(self) -> bool:
+        return self._record is not None
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        limit = os.environ.get("GPUHUB_MAX_GPUS")
+        if limit is not None and self.gpus > int(limit):
+            raise RuntimeError(
+                f"this kernel needs {self.gpus} GPU(s) per cell but your server's profile allows {limit}; "
+                "restart your server with a larger profile"
+            )
+        kwargs = await super().pre_launch(**kwargs)
+        kwargs.setdefault("cmd", self.kernel_spec.argv)
+        return kwargs
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        km = self.parent
+        key = km.session.key.decode() if isinstance(km.session.key, bytes) else km.session.key
+        cwd = kwargs.get("cwd") or os.getcwd()
+        try:
+            _, record = await call_json("POST", f"{self._url}/api/v1/kernels", self._token, {
+                "kernel_id": self.kernel_id, "key": key, "gpus": self.gpus,
+                "replicas": self.replicas, "cwd": str(cwd),
+            }, timeout=60)
+        except ApiClientError as exc:
+            raise RuntimeError(f"gpuhub could not start the kernel: {exc.message}") from None
+        self._record = record
+        conn = dict(record["replicas"][0]["connection"])
+        conn["key"] = key.encode()
+        self.connection_info = conn
+        self.log.info("gpuhub kernel %s on %s", self.kernel_id, ", ".join(r["node"] for r in record["replicas"]))
+        return conn
+
+    async def poll(self) -> int | None:
+        if self._record is None:
+            return 0
+        now = time.monotonic()
+        if now - self._last_poll[0] < self.poll_cache_s:
+            return self._last_poll[1]
+        try:
+            _, status = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=10)
+            alive = any(r.get("state") in ("active", "activating", "unreachable") for r in status["replicas"])
+            result = None if alive else 1
+        except ApiClientError as exc:
+            result = 1 if exc.status == 404 else None  # scheduler unreachable: assume alive, ask again later
+        self._last_poll = (now, result)
+        return result
+
+    async def wait(self) -> int | None:
+        while True:
+            self._last_poll = (0.0, None)
+            status = await self.poll()
+            if status is not None:
+                return status
+            await asyncio.sleep(1.0)
+
+    async def send_signal(self, signum: int) -> None:
+        if signum in (signal.SIGKILL, signal.SIGTERM):
+            await self.kill()
+        # SIGINT: gpuhub kernelspecs use interrupt_mode "message" (interrupt_request on the control channel).
+
+    async def kill(self, restart: bool = False) -> None:
+        if self._record is None:
+            return
+        try:
+            await call_json("DELETE", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=30)
+        except ApiClientError as exc:
+            if exc.status != 404:
+                self.log.warning("gpuhub: stopping kernel %s failed: %s", self.kernel_id, exc)
+        self._last_poll = (time.monotonic(), 0)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.kill(restart)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        if not restart:
+            self._record = None
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info["gpuhub_record"] = self._record
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self._record = provisioner_info.get("gpuhub_record")

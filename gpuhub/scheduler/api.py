@@ -1,0 +1,172 @@
+"""The scheduler's HTTP API (see docs/interfaces.md)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from tornado.web import Application
+
+from gpuhub.scheduler.auth import HubUserResolver
+from gpuhub.scheduler.placement import PlacementError
+from gpuhub.scheduler.service import Scheduler
+from gpuhub.web import ApiClientError, ApiError, JsonHandler, bearer_token, field, tokens_equal
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerHandler(JsonHandler):
+    def initialize(self, scheduler: Scheduler, token: str, users: HubUserResolver) -> None:
+        self.scheduler = scheduler
+        self.token = token
+        self.users = users
+
+    def is_admin(self) -> bool:
+        return tokens_equal(bearer_token(self), self.token)
+
+    def require_admin(self) -> None:
+        if not self.is_admin():
+            raise ApiError(401, "missing or invalid token")
+
+    async def require_user(self) -> str:
+        try:
+            user = await self.users.user_for(bearer_token(self))
+        except ApiClientError as exc:
+            raise ApiError(503, f"cannot check the token with JupyterHub: {exc.message}") from None
+        if user is None:
+            raise ApiError(401, "missing or invalid token")
+        return user
+
+
+class HeartbeatHandler(SchedulerHandler):
+    def post(self) -> None:
+        self.require_admin()
+        try:
+            self.scheduler.heartbeat(self.json_body())
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        self.write_json({"ok": True})
+
+
+class NodesHandler(SchedulerHandler):
+    def get(self) -> None:
+        self.require_admin()
+        self.write_json({"nodes": self.scheduler.nodes_view()})
+
+
+class KernelsHandler(SchedulerHandler):
+    async def get(self) -> None:
+        if self.is_admin():
+            kernels = list(self.scheduler.kernels.values())
+        else:
+            user = await self.require_user()
+            kernels = [k for k in self.scheduler.kernels.values() if k.user == user]
+        self.write_json({"kernels": [k.view() for k in kernels]})
+
+    async def post(self) -> None:
+        user = await self.require_user()
+        body = self.json_body()
+        gpus = field(body, "gpus", int, required=False, default=0)
+        replicas = field(body, "replicas", int, required=False, default=1)
+        if gpus < 0 or replicas < 1 or replicas > 7:
+            raise ApiError(400, "gpus must be >= 0 and replicas 1..7")
+        try:
+            record = await self.scheduler.create_kernel(
+                user=user,
+                kernel_id=field(body, "kernel_id", str),
+                key=field(body, "key", str),
+                gpus=gpus,
+                replicas=replicas,
+                cwd=field(body, "cwd", str, required=False, default=""),
+            )
+        except PermissionError as exc:
+            raise ApiError(403, str(exc)) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        except PlacementError as exc:
+            raise ApiError(409, str(exc)) from None
+        except ApiClientError as exc:
+            raise ApiError(502, f"a node could not start the kernel: {exc.message}") from None
+        self.write_json(record.view(), 201)
+
+
+class KernelHandler(SchedulerHandler):
+    async def owned(self, kernel_id: str):
+        record = self.scheduler.kernels.get(kernel_id)
+        if not self.is_admin():
+            user = await self.require_user()
+            if record is not None and record.user != user:
+                raise ApiError(404, f"no kernel {kernel_id}")
+        if record is None:
+            raise ApiError(404, f"no kernel {kernel_id}")
+        return record
+
+    async def get(self, kernel_id: str) -> None:
+        await self.owned(kernel_id)
+        self.write_json(await self.scheduler.kernel_status(kernel_id))
+
+    async def delete(self, kernel_id: str) -> None:
+        await self.owned(kernel_id)
+        await self.scheduler.delete_kernel(kernel_id)
+        self.write_json({"stopped": kernel_id})
+
+
+class SchedulerCollector:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def collect(self):
+        s = self.s
+        views = [v for v in s.node_views() if v.schedulable]
+        g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Nodes by liveness", labels=["state"])
+        g.add_metric(["live"], len(views))
+        g.add_metric(["lost"], len(s.nodes) - len(views))
+        yield g
+        g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
+        g.add_metric([], len(s.kernels))
+        yield g
+        for key in ("placements", "placement_failures"):
+            c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
+            c.add_metric([], s.counters[key])
+            yield c
+        total = sum(v.gpu_count for v in views)
+        pending = sum(v.pending for v in views)
+        g = GaugeMetricFamily("gpuhub_cluster_gpus", "GPUs in the cluster", labels=["state"])
+        g.add_metric(["total"], total)
+        g.add_metric(["pending"], pending)
+        g.add_metric(["committed"], sum(v.committed for v in views))
+        yield g
+        g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio", "pending / (GPUs * 3)")
+        g.add_metric([], pending / (total * 3) if total else 0.0)
+        yield g
+
+
+class MetricsHandler(SchedulerHandler):
+    def get(self) -> None:
+        self.require_admin()
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(SchedulerCollector(self.scheduler))
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(generate_latest(reg))
+
+
+def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Application:
+    args = {"scheduler": scheduler, "token": token, "users": users}
+    return Application([
+        (r"/api/v1/nodes/heartbeat", HeartbeatHandler, args),
+        (r"/api/v1/nodes", NodesHandler, args),
+        (r"/api/v1/kernels", KernelsHandler, args),
+        (r"/api/v1/kernels/([a-z0-9-]+)", KernelHandler, args),
+        (r"/metrics", MetricsHandler, args),
+    ], log_function=_log_request)
+
+
+def _log_request(handler) -> None:
+    status = handler.get_status()
+    level = logging.INFO if status < 400 else logging.WARNING
+    if handler.request.path in ("/metrics", "/api/v1/nodes/heartbeat") and status == 200:
+        level = logging.DEBUG
+    logging.getLogger("gpuhub.scheduler.access").log(
+        level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
+        1000 * handler.request.request_time())

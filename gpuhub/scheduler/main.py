@@ -1,0 +1,69 @@
+"""``gpuhub-scheduler``: places kernel replicas on GPU nodes (runs on the hub host)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from tornado.httpserver import HTTPServer
+
+from gpuhub.config import ConfigError, load_scheduler_config, read_secret
+from gpuhub.scheduler.api import make_app
+from gpuhub.scheduler.auth import HubUserResolver
+from gpuhub.scheduler.service import Scheduler
+
+log = logging.getLogger("gpuhub.scheduler")
+
+
+async def reconcile_loop(scheduler: Scheduler) -> None:
+    # The first round waits for agents to heartbeat; later rounds catch drift.
+    await asyncio.sleep(min(10.0, scheduler.config.node_timeout_s))
+    while True:
+        try:
+            await scheduler.reconcile()
+        except Exception:
+            log.exception("reconcile failed")
+        await asyncio.sleep(30)
+
+
+async def serve(scheduler: Scheduler, token: str) -> None:
+    scheduler.load()
+    users = HubUserResolver(scheduler.config.hub_api_url, scheduler.config.static_user_tokens)
+    server = HTTPServer(make_app(scheduler, token, users))
+    server.listen(scheduler.config.port, address=scheduler.config.listen_address)
+    log.info("gpuhub-scheduler listening on %s:%d (%d kernel(s) in the books)",
+             scheduler.config.listen_address, scheduler.config.port, len(scheduler.kernels))
+    task = asyncio.create_task(reconcile_loop(scheduler))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gpuhub-scheduler stopping; kernels keep running")
+    server.stop()
+    task.cancel()
+    scheduler.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpuhub-scheduler", description=__doc__)
+    parser.add_argument("--config", default="/etc/gpuhub/scheduler.toml")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_scheduler_config(args.config)
+        token = read_secret(config.token_file, "scheduler")
+        agent_token = read_secret(config.agent_token_file, "agent")
+    except ConfigError as exc:
+        print(f"gpuhub-scheduler: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(Scheduler(config, agent_token), token))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The scheduler: knows the nodes (from agent heartbeats), places kernel replicas, keeps its books.
+
+It never grants GPUs (the agents do, DESIGN D1); it only places replicas, using the counts the
+agents report. Its books are persisted, and rebuilt from the agents' units on start (D5).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpuhub.config import SchedulerConfig
+from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
+from gpuhub.web import ApiClientError, call_json
+
+log = logging.getLogger(__name__)
+
+KERNEL_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    url: str
+    info: dict
+    last_seen: float
+
+
+@dataclass
+class ReplicaRecord:
+    node: str
+    unit: str
+    connection: dict | None = None
+
+
+@dataclass
+class KernelRecord:
+    kernel_id: str
+    user: str
+    gpus: int
+    replicas: list[ReplicaRecord] = field(default_factory=list)
+    created_at: float = 0.0
+
+    def view(self) -> dict:
+        return asdict(self)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, agent_token: str) -> None:
+        self.config = config
+        self.agent_token = agent_token
+        self.nodes: dict[str, NodeRecord] = {}
+        self.kernels: dict[str, KernelRecord] = {}
+        self.path = Path(config.state_dir) / "books.json"
+        self.counters = {"placements": 0, "placement_failures": 0}
+
+    # --- books -----------------------------------------------------------------
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        data = {
+            "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen} for n, r in self.nodes.items()},
+            "kernels": {k: r.view() for k, r in self.kernels.items()},
+        }
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.path)
+
+    def load(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except ValueError:
+            log.error("books %s are corrupt; rebuilding from the agents", self.path)
+            return
+        for name, n in data.get("nodes", {}).items():
+            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"])
+        for kid, k in data.get("kernels", {}).items():
+            reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
+            self.kernels[kid] = KernelRecord(**k, replicas=reps)
+
+    # --- nodes -----------------------------------------------------------------
+    def heartbeat(self, info: dict) -> None:
+        name, url = info.get("node"), info.get("url")
+        if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
+            raise ValueError("a heartbeat needs 'node' and 'url'")
+        fresh = name not in self.nodes
+        self.nodes[name] = NodeRecord(name, url, info, time.time())
+        if fresh:
+            log.info("node %s registered (%s GPU(s)) at %s", name, info.get("gpu_count"), url)
+            self.save()
+
+    def live(self, rec: NodeRecord) -> bool:
+        return time.time() - rec.last_seen <= self.config.node_timeout_s
+
+    def node_views(self) -> list[NodeView]:
+        return [
+            NodeView(
+                name=r.name,
+                gpu_count=int(r.info.get("gpu_count", 0)),
+                pending=int(r.info.get("pending", 0)),
+                committed=int(r.info.get("committed", 0)),
+                schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]),
+            )
+            for r in self.nodes.values()
+        ]
+
+    def nodes_view(self) -> list[dict]:
+        return [
+            {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen,
+             **{k: r.info.get(k) for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units")}}
+            for r in self.nodes.values()
+        ]
+
+    # --- kernels ---------------------------------------------------------------
+    async def create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int, cwd: str) -> KernelRecord:
+        if not KERNEL_ID.match(kernel_id):
+            raise ValueError("kernel_id must be 1-64 lowercase letters, digits or '-'")
+        if kernel_id in self.kernels:
+            existing = self.kernels[kernel_id]
+            if existing.user != user:
+                raise PermissionError("that kernel belongs to another user")
+            return existing
+        try:
+            chosen = place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio)
+        except PlacementError:
+            self.counters["placement_failures"] += 1
+            raise
+        record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time())
+        try:
+            for i, node in enumerate(chosen):
+                unit = f"gpuhub-kernel-{kernel_id}-r{i}"
+                _, started = await call_json(
+                    "POST", self.nodes[node.name].url + "/api/v1/units", self.agent_token,
+                    {"name": unit, "kind": "kernel", "user": user, "gpus": gpus, "cwd": cwd,
+                     "kernel": {"key": key, "kernel_id": kernel_id}},
+                )
+                record.replicas.append(ReplicaRecord(node.name, unit, started.get("connection")))
+                # Count it now so the next placement sees it before the next heartbeat.
+                self.nodes[node.name].info["pending"] = int(self.nodes[node.name].info.get("pending", 0)) + gpus
+        except ApiClientError:
+            self.counters["placement_failures"] += 1
+            for rep in record.replicas:  # all or nothing
+                await self._stop_replica(rep)
+            raise
+        self.kernels[kernel_id] = record
+        self.counters["placements"] += 1
+        self.save()
+        log.info("kernel %s of %s placed on %s", kernel_id, user, ", ".join(r.node for r in record.replicas))
+        return record
+
+    async def _stop_replica(self, rep: ReplicaRecord) -> None:
+        node = self.nodes.get(rep.node)
+        if node is None:
+            return
+        try:
+            await call_json("DELETE", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token)
+        except ApiClientError as exc:
+            log.warning("could not stop %s on %s: %s", rep.unit, rep.node, exc)
+
+    async def delete_kernel(self, kernel_id: str) -> bool:
+        record = self.kernels.pop(kernel_id, None)
+        if record is None:
+            return False
+        for rep in record.replicas:
+            await self._stop_replica(rep)
+        self.save()
+        log.info("kernel %s stopped", kernel_id)
+        return True
+
+    async def kernel_status(self, kernel_id: str) -> dict | None:
+        record = self.kernels.get(kernel_id)
+        if record is None:
+            return None
+        view = record.view()
+        for rep in view["replicas"]:
+            node = self.nodes.get(rep["node"])
+            rep["state"] = "unknown"
+            if node is not None:
+                try:
+                    _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep['unit']}", self.agent_token, timeout=5)
+                    rep["state"] = unit.get("state", "unknown")
+                except ApiClientError as exc:
+                    rep["state"] = "gone" if exc.status == 404 else "unreachable"
+        return view
+
+    async def reconcile(self) -> None:
+        """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones."""
+        seen: dict[str, set[str]] = {}
+        for node in list(self.nodes.values()):
+            if not self.live(node):
+                continue
+            try:
+                _, body = await call_json("GET", node.url + "/api/v1/units", self.agent_token, timeout=5)
+            except ApiClientError as exc:
+                log.warning("reconcile: node %s unreachable: %s", node.name, exc)
+                continue
+            units = {u["name"]: u for u in body.get("units", []) if u.get("kind") == "kernel"}
+            seen[node.name] = set(units)
+            for name, u in units.items():
+                kid = u.get("kernel_id") or ""
+                if not kid:
+                    continue
+                rec = self.kernels.get(kid)
+                if rec is None:
+                    rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [], time.time())
+                    log.warning("reconcile: adopted kernel %s found on %s", kid, node.name)
+                if not any(r.unit == name for r in rec.replicas):
+                    rec.replicas.append(ReplicaRecord(node.name, name, u.get("connection")))
+        for kid, rec in list(self.kernels.items()):
+            rec.replicas = [r for r in rec.replicas if r.node not in seen or r.unit in seen[r.node]]
+            if not rec.replicas:
+                log.info("reconcile: kernel %s has no replicas left; forgetting it", kid)
+                del self.kernels[kid]
+        self.save()
