@@ -1,0 +1,138 @@
+import pytest
+
+from gpuhub.sim.engine import SimConfig, SimError, default_nodes, percentile, simulate
+from gpuhub.sim.trace import Session, Trace
+
+
+def T(*sessions):
+    return Trace([Session(sid, s, e, g, list(cells)) for sid, s, e, g, cells in sessions])
+
+
+def run(trace, **kw):
+    return simulate(trace, SimConfig(**kw))
+
+
+def test_reservation_gpu_hours_exact():
+    tr = T(("a", 0, 3600, 2, [(0, 600, 2)]), ("b", 1800, 9000, 1, [(2000, 100, 1), (3000, 50, 0)]))
+    r = run(tr, policy="reservation", nodes=2, gpus_per_node=2)
+    assert r.gpu_hours_reserved == pytest.approx(2 * 1 + 1 * 2)
+    assert r.gpu_hours_committed == pytest.approx(4.0)
+    assert r.gpu_hours_busy == pytest.approx((2 * 600 + 100) / 3600)
+    assert r.gpu_hours_saved_vs_reservation == 0.0
+    assert r.delay_max_s == 0.0 and r.cells == 3
+    assert r.gpu_hours_provisioned == pytest.approx(2 * 2 * 9000 / 3600)
+
+
+@pytest.mark.parametrize("policy", ["reservation", "batch", "gpuhub"])
+def test_free_gpu_means_zero_delay(policy):
+    tr = T(("a", 0, 1000, 1, [(10, 100, 1), (500, 20, 1)]))
+    r = run(tr, policy=policy, nodes=3, gpus_per_node=1, batch_start_cost_s=0.0)
+    assert r.delay_p99_s == 0.0 and r.frac_started_within_1s == 1.0
+    if policy != "reservation":
+        assert r.gpu_hours_committed == pytest.approx(120 / 3600)
+        assert r.gpu_hours_saved_vs_reservation == pytest.approx((1000 - 120) / 3600)
+
+
+def test_gpuhub_full_cluster_delay_equals_wait():
+    # one node, one GPU, one replica: b's cell waits until a's cell ends at 100
+    tr = T(("a", 0, 1000, 1, [(0, 100, 1)]), ("b", 0, 1000, 1, [(10, 50, 1)]))
+    r = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
+    assert sorted(r.delays) == [0.0, 90.0]
+    assert r.gpu_hours_committed == pytest.approx(150 / 3600)
+
+
+def test_gpuhub_waits_for_any_replica_node():
+    # 3 nodes x 1 GPU, R=3: three long cells fill the cluster; the fourth waits for the first to end
+    cells = [("s%d" % i, 0, 1000, 1, [(i, 100 + 10 * i, 1)]) for i in range(3)]
+    tr = T(*cells, ("late", 0, 1000, 1, [(5, 10, 1)]))
+    r = run(tr, policy="gpuhub", nodes=3, gpus_per_node=1, replicas=3)
+    assert sorted(r.delays) == [0.0, 0.0, 0.0, 95.0]  # s0's cell ends at 100, submitted at 5
+
+
+def test_gpuhub_cpu_cells_never_wait():
+    tr = T(("a", 0, 1000, 1, [(0, 500, 1)]), ("b", 0, 1000, 1, [(10, 5, 0), (20, 5, 1)]))
+    r = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
+    assert sorted(r.delays) == [0.0, 0.0, 480.0]
+
+
+def test_batch_delay_is_wait_plus_start_cost():
+    tr = T(("a", 0, 1000, 1, [(0, 100, 1)]), ("b", 0, 1000, 1, [(10, 50, 1)]))
+    r = run(tr, policy="batch", nodes=1, gpus_per_node=1, batch_start_cost_s=5.0)
+    # a: holds 0..105 (5 s start, 100 s run); b: waits to 105, starts running at 110
+    assert sorted(r.delays) == [5.0, 100.0]
+    assert r.gpu_hours_committed == pytest.approx((105 + 55) / 3600)
+
+
+def test_batch_fifo_head_blocks():
+    # 2 GPUs: a holds 1 until 100; b wants 2 (waits); c wants 1 and could fit, but FIFO keeps it behind b
+    tr = T(("a", 0, 900, 1, [(0, 100, 1)]), ("b", 0, 900, 2, [(1, 10, 2)]), ("c", 0, 900, 1, [(2, 10, 1)]))
+    r = run(tr, policy="batch", nodes=1, gpus_per_node=2, batch_start_cost_s=0.0)
+    assert sorted(r.delays) == [0.0, 99.0, 108.0]
+
+
+def test_cells_of_a_session_run_one_at_a_time():
+    tr = T(("a", 0, 1000, 0, [(0, 100, 0), (10, 10, 0)]))
+    r = run(tr, policy="gpuhub", nodes=3)
+    assert sorted(r.delays) == [0.0, 90.0]
+
+
+def test_closed_loop_keeps_think_time():
+    # b's first cell waits 90 s for a's GPU; in closed loop b's second cell comes 20 s (the trace's think
+    # time) after the first actually ended, so it does not wait; in open loop it queues behind the first
+    tr = T(("a", 0, 1000, 1, [(0, 100, 1)]), ("b", 0, 1000, 1, [(10, 10, 1), (40, 10, 1)]))
+    closed = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1, closed_loop=True)
+    opened = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
+    assert sorted(closed.delays) == [0.0, 0.0, 90.0]
+    assert sorted(opened.delays) == [0.0, 70.0, 90.0]
+
+
+def test_unplaceable_session_waits_for_placement():
+    # SR cap 1/3 with G=1, R=3 admits one 1-GPU kernel per node: b waits until a ends at 100
+    tr = T(("a", 0, 100, 1, [(0, 10, 1)]), ("b", 50, 500, 1, [(60, 10, 1)]))
+    r = run(tr, policy="gpuhub", nodes=3, gpus_per_node=1, max_subscription_ratio=1 / 3)
+    assert r.sessions_waited == 1 and r.session_wait_max_s == pytest.approx(50.0)
+    assert sorted(r.delays) == [0.0, 40.0]
+
+
+def test_reservation_session_queues_when_full():
+    tr = T(("a", 0, 100, 1, [(0, 10, 1)]), ("b", 50, 500, 1, [(60, 10, 1)]))
+    r = run(tr, policy="reservation", nodes=1, gpus_per_node=1)
+    assert sorted(r.delays) == [0.0, 40.0]
+    assert r.gpu_hours_committed == pytest.approx((100 + 400) / 3600)
+
+
+def test_errors():
+    tr = T(("a", 0, 100, 8, [(0, 10, 8)]))
+    with pytest.raises(SimError, match="8 GPUs but nodes have 4"):
+        run(tr, gpus_per_node=4)
+    with pytest.raises(SimError, match="at least 3 nodes"):
+        run(tr, nodes=2)
+    with pytest.raises(SimError, match="never got"):
+        run(tr, nodes=3, max_subscription_ratio=0.1)
+    with pytest.raises(SimError, match="unknown policy"):
+        run(tr, policy="magic")
+
+
+def test_autoscale_follows_demand_and_scales_in():
+    # a burst of GPU work in the first hour, then only idle sessions
+    sessions = [("s%d" % i, 0, 20000, 8, [(0, 3000, 8)]) for i in range(6)]
+    sessions += [("late%d" % i, 10000, 20000, 1, [(10000, 60, 1)]) for i in range(2)]
+    tr = T(*sessions)
+    fixed = run(tr, policy="batch", nodes=12, batch_start_cost_s=0.0)
+    auto = run(tr, policy="batch", nodes=12, autoscale=True, batch_start_cost_s=0.0, record_timeline=True)
+    assert auto.peak_active_nodes <= 12 and auto.scale_outs > 0 and auto.scale_ins > 0
+    assert auto.gpu_hours_provisioned < fixed.gpu_hours_provisioned
+    assert auto.cells == fixed.cells == 8
+    for _, held, active in auto.timeline:
+        assert held <= active * 8
+
+
+def test_default_nodes_fit_the_reservation_peak():
+    tr = T(("a", 0, 100, 8, []), ("b", 50, 150, 4, []), ("c", 120, 200, 8, []))
+    assert default_nodes(tr, 8, 3) == 2 + 3
+
+
+def test_percentile_nearest_rank():
+    xs = list(range(1, 101))
+    assert percentile(xs, 50) == 50 and percentile(xs, 95) == 95 and percentile(xs, 100) == 100
+    assert percentile([], 50) == 0.0
