@@ -106,3 +106,77 @@ def current_user() -> str:
     import pwd
 
     return pwd.getpwuid(os.getuid()).pw_name
+
+
+class SchedulerProcess:
+    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = secrets.token_urlsafe(24)
+        self.dir = tmp / "scheduler"
+        (self.dir / "secrets").mkdir(parents=True)
+        for name, value in (("scheduler.token", self.token), ("agent.token", agent_token)):
+            p = self.dir / "secrets" / name
+            p.write_text(value)
+            p.chmod(0o600)
+        static = ", ".join(f'"{t}" = "{u}"' for t, u in user_tokens.items())
+        self.config = self.dir / "scheduler.toml"
+        self.config.write_text(
+            f'listen_address = "127.0.0.1"\nport = {self.port}\n'
+            f'token_file = "{self.dir}/secrets/scheduler.token"\nagent_token_file = "{self.dir}/secrets/agent.token"\n'
+            f'state_dir = "{self.dir}/state"\nnode_timeout_s = 10\nhub_api_url = ""\n'
+            f'static_user_tokens = {{ {static} }}\n'
+        )
+
+    def start(self) -> "SchedulerProcess":
+        self.log = open(self.dir / "scheduler.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A scheduler and three agents (2 fake GPUs each) heartbeating to it, all on 127.0.0.1."""
+    agent_token = secrets.token_urlsafe(24)
+    user_token = secrets.token_urlsafe(24)
+    sched = SchedulerProcess(tmp_path, agent_token, {user_token: current_user()}).start()
+    agents = []
+    for i in range(3):
+        sched_token_file = tmp_path / f"sched-{i}.token"
+        sched_token_file.write_text(sched.token)
+        sched_token_file.chmod(0o600)
+        a = AgentProcess(tmp_path, f"gpu{i + 1}", 2, extra=(
+            f'scheduler_url = "{sched.url}"\nscheduler_token_file = "{sched_token_file}"\nheartbeat_interval_s = 0.5'))
+        a.token = agent_token
+        (a.dir / "secrets" / "agent.token").write_text(agent_token)
+        agents.append(a.start())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            req = urllib.request.Request(sched.url + "/api/v1/nodes", headers={"Authorization": f"Bearer {sched.token}"})
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if sum(n["live"] for n in json.loads(resp.read())["nodes"]) == 3:
+                    break
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    else:
+        raise RuntimeError("agents did not register")
+    yield {"scheduler": sched, "agents": agents, "user_token": user_token}
+    for a in agents:
+        try:
+            _, units = a.call("GET", "/api/v1/units")
+            for u in units["units"]:
+                a.call("DELETE", f"/api/v1/units/{u['name']}")
+        except Exception:
+            pass
+        a.stop()
+    sched.stop()

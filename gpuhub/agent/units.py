@@ -209,34 +209,60 @@ class ProcessRunner(SystemdRunner):
                 start_new_session=True,
             )
         self._procs[spec.name] = proc
+        (udir / "pid").write_text(str(proc.pid))
         return await self.status(spec.name)
 
+    def _pid(self, name: str) -> int | None:
+        try:
+            return int((self.unit_dir(name) / "pid").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
     async def status(self, name: str) -> UnitStatus:
+        me = pwd.getpwuid(os.getuid()).pw_name
         proc = self._procs.get(name)
-        if proc is None:
-            return UnitStatus(name, False, "gone", None, None)
-        code = proc.poll()
-        if code is None:
-            return UnitStatus(name, True, "active", proc.pid, pwd.getpwuid(os.getuid()).pw_name)
-        return UnitStatus(name, False, "inactive" if code == 0 else "failed", None, None)
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return UnitStatus(name, True, "active", proc.pid, me)
+            return UnitStatus(name, False, "inactive" if code == 0 else "failed", None, None)
+        pid = self._pid(name)  # a unit started before this agent restarted
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(")")[-1].split()[0] != "Z":
+                        return UnitStatus(name, True, "active", pid, me)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        return UnitStatus(name, False, "gone", None, None)
 
     async def list(self) -> list[str]:
-        return list(self._procs)
+        udir = self.runtime_dir / "units"
+        names = {p.parent.name for p in udir.glob("*/pid")} if udir.is_dir() else set()
+        return sorted(names | set(self._procs))
 
     async def stop(self, name: str) -> None:
         proc = self._procs.pop(name, None)
-        if proc is not None and proc.poll() is None:
+        pid = proc.pid if proc is not None else self._pid(name)
+        if pid is not None and (await self.status(name)).active or (proc is not None and proc.poll() is None):
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             for _ in range(50):
-                if proc.poll() is not None:
+                if proc is not None and proc.poll() is not None:
+                    break
+                if proc is None and not (await self.status(name)).active:
                     break
                 await asyncio.sleep(0.1)
             else:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                if proc is not None:
+                    proc.wait()
         self.cleanup_files(name)
 
     def read_env(self, name: str) -> dict[str, str]:

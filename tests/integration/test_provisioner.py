@@ -1,0 +1,56 @@
+"""The Jupyter side: a kernel manager with a gpuhub kernelspec gets a kernel placed by the scheduler."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+from gpuhub.kernel.kernelspecs import install
+
+
+@pytest.fixture
+def kernelspecs(tmp_path, monkeypatch, cluster):
+    install(str(tmp_path / "prefix"), [("cpu", 0), ("gpu1", 1)], replicas=1)
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "prefix" / "share" / "jupyter"))
+    monkeypatch.setenv("GPUHUB_SCHEDULER_URL", cluster["scheduler"].url)
+    monkeypatch.setenv("GPUHUB_SCHEDULER_TOKEN", cluster["user_token"])
+    return KernelSpecManager()
+
+
+async def test_gpu_kernel_through_provisioner(kernelspecs, cluster, tmp_path):
+    km = AsyncKernelManager(kernel_name="gpuhub-gpu1", kernel_spec_manager=kernelspecs)
+    await km.start_kernel(cwd=str(tmp_path))
+    try:
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=30)
+        out = []
+        reply = await kc.execute_interactive(
+            "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPUHUB_NODE'])",
+            output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None,
+            timeout=30)
+        assert reply["content"]["status"] == "ok"
+        uuid, node = "".join(out).split()
+        agent = next(a for a in cluster["agents"] if a.name == node)
+        assert uuid in [g["uuid"] for g in agent.call("GET", "/api/v1/node")[1]["gpus"]]
+        assert await km.is_alive()
+        kc.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+    # all units gone after shutdown
+    for a in cluster["agents"]:
+        assert a.call("GET", "/api/v1/units")[1]["units"] == []
+
+
+def test_bad_user_token_is_refused(cluster):
+    req = urllib.request.Request(cluster["scheduler"].url + "/api/v1/kernels", method="POST",
+                                 data=json.dumps({"kernel_id": "abc", "key": "k"}).encode(),
+                                 headers={"Authorization": "Bearer wrong"})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=5)
+    assert exc.value.code == 401

@@ -1,0 +1,89 @@
+"""Property-based tests of the lease book: never over-grant, idempotent release, dead holders expire."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import pytest
+
+from gpuhub.agent.leases import LeaseBook, LeaseError
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.book = LeaseBook(gpu_count=4)
+        self.now = 0.0
+        self.dead: set[str] = set()
+        self.granted: dict[str, int] = {}
+
+    @rule(n=st.integers(0, 4), holder=st.sampled_from(["a", "b", "c", "d"]), ttl=st.none() | st.floats(1, 100))
+    def grant(self, n, holder, ttl):
+        free_before = self.book.free
+        lease = self.book.grant(n, holder, self.now, ttl_s=ttl)
+        if n <= free_before:
+            assert lease is not None and len(lease.gpus) == n
+            self.granted[lease.lease_id] = n
+        else:
+            assert lease is None
+
+    @precondition(lambda self: self.granted)
+    @rule(data=st.data())
+    def release(self, data):
+        lease_id = data.draw(st.sampled_from(sorted(self.granted)))
+        first = self.book.release(lease_id)
+        second = self.book.release(lease_id)
+        assert second is None  # idempotent
+        if first is not None:
+            del self.granted[lease_id]
+        else:
+            self.granted.pop(lease_id, None)
+
+    @rule(holder=st.sampled_from(["a", "b", "c", "d"]))
+    def holder_dies(self, holder):
+        self.dead.add(holder)
+        gone = self.book.expire(self.now, lambda lease: lease.holder not in self.dead)
+        for lease in gone:
+            self.granted.pop(lease.lease_id, None)
+        assert all(lease.holder not in self.dead for lease in self.book.leases.values())
+
+    @rule(dt=st.floats(0, 50))
+    def time_passes(self, dt):
+        self.now += dt
+        for lease in self.book.expire(self.now):
+            self.granted.pop(lease.lease_id, None)
+        assert all(lease.expires_at is None or lease.expires_at > self.now for lease in self.book.leases.values())
+
+    @invariant()
+    def never_over_granted(self):
+        gpus = [g for lease in self.book.leases.values() for g in lease.gpus]
+        assert len(gpus) == len(set(gpus)), "a GPU is in two leases"
+        assert self.book.committed <= self.book.gpu_count
+        assert all(0 <= g < self.book.gpu_count for g in gpus)
+        assert self.book.committed + self.book.free == self.book.gpu_count
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_cannot_ask_for_more_than_the_node_has():
+    book = LeaseBook(2)
+    with pytest.raises(LeaseError, match="has 2"):
+        book.grant(3, "a", 0.0)
+    with pytest.raises(LeaseError):
+        book.grant(-1, "a", 0.0)
+
+
+@given(st.lists(st.integers(0, 8), max_size=20), st.integers(1, 8))
+def test_pending_and_subscription_ratio(specs, gpus):
+    book = LeaseBook(gpus)
+    for i, n in enumerate(specs):
+        book.place(f"r{i}", n)
+    assert book.pending == sum(specs)
+    assert book.subscription_ratio(3) == pytest.approx(sum(specs) / (gpus * 3))
+    for i in range(len(specs)):
+        book.unplace(f"r{i}")
+    assert book.pending == 0
