@@ -17,16 +17,21 @@ import argparse
 import difflib
 import json
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from grafana_foundation_sdk.builders import common as common_b
-from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models import dashboard as dash_m
+# The classic dashboard schema (v1) is what Grafana's file provisioning loads on Grafana 10-12;
+# the SDK nudges towards its v2 schema on import.
+warnings.filterwarnings("ignore", message="Prefer using dashboardv2", category=DeprecationWarning)
+
+from grafana_foundation_sdk.builders import common as common_b  # noqa: E402
+from grafana_foundation_sdk.builders import dashboard as dash  # noqa: E402
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries  # noqa: E402
+from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from grafana_foundation_sdk.models import common  # noqa: E402
+from grafana_foundation_sdk.models import dashboard as dash_m  # noqa: E402
 
 #: Default output: the grafana role's files (this file is gpuhub/monitoring/dashboards.py).
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[2] / "roles" / "grafana" / "files" / "dashboards"
@@ -173,8 +178,8 @@ def cluster_gpus() -> dash.Dashboard:
                         description="The scheduler's cluster subscription ratio: pending / (GPUs x replicas). Admission stops at max_subscription_ratio."))
     d = d.with_panel(st("Kernels", "sum(gpuhub_scheduler_kernels)",
                         description="Replicated kernels the scheduler knows."))
-    d = d.with_panel(st("Nodes", "sum(gpuhub_scheduler_nodes)",
-                        description="Nodes registered with the scheduler."))
+    d = d.with_panel(st("Live nodes", 'sum(gpuhub_scheduler_nodes{state="live"})',
+                        description="Nodes the scheduler can place replicas on (heartbeating)."))
     d = d.with_panel(ts(
         "Cluster GPUs: total, pending, committed",
         [

@@ -1,0 +1,231 @@
+"""Monitoring: dashboards and recording rules against a real Prometheus, rendered configs through
+promtool, dashboards-as-code freshness, Grafana provisioning files. Fast; not marked cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import REPO, local_inventory, run_role_config
+
+DASHBOARD_DIR = REPO / "roles" / "grafana" / "files" / "dashboards"
+DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
+
+# Values Grafana would put in for its built-in variables, and for the dashboards' own.
+GRAFANA_VARS = {
+    "$__rate_interval": "30s",
+    "$__interval": "5s",
+    "$__range_s": "60",
+    "$__range": "1m",
+    "$node": ".*",
+    "${node}": ".*",
+}
+
+
+def substitute(expr: str) -> str:
+    for var in sorted(GRAFANA_VARS, key=len, reverse=True):
+        expr = expr.replace(var, GRAFANA_VARS[var])
+    left = re.findall(r"\$\{?\w+", expr)
+    assert not left, f"unknown dashboard variable(s) {left} in {expr!r}: add them to GRAFANA_VARS"
+    return expr
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    from gpuhub.monitoring.dashboards import iter_exprs
+
+    out = []
+    for path in DASHBOARDS:
+        model = json.loads(path.read_text())
+        for where, expr in iter_exprs(model):
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", expr.strip())
+            if m:  # a variable's query: check the metric it reads
+                expr = m.group(1)
+            out.append((f"{path.name}: {where}", expr))
+    return out
+
+
+def rules_of(stack) -> list[dict]:
+    doc = yaml.safe_load((stack.config_dir / "rules" / "gpuhub.rules.yml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+# --------------------------------------------------------------------------- (a) PromQL
+
+
+def test_dashboards_exist():
+    assert DASHBOARDS, f"no dashboards in {DASHBOARD_DIR}"
+    assert dashboard_exprs()
+
+
+@pytest.mark.parametrize("where,expr", dashboard_exprs(), ids=lambda v: v if len(v) < 90 else v[:87] + "...")
+def test_dashboard_query_parses_and_returns_data(monitoring_stack, where, expr):
+    body = monitoring_stack.query(substitute(expr))
+    assert body.get("status") == "success", f"{where}: {expr!r} -> {body.get('errorType')}: {body.get('error')}"
+    assert body["data"]["result"], f"{where}: {expr!r} returned no data from the sample exposition"
+
+
+def test_recording_rules_evaluate_and_return_data(monitoring_stack):
+    problems = []
+    for rule in rules_of(monitoring_stack):
+        body = monitoring_stack.query(rule["expr"])
+        if body.get("status") != "success":
+            problems.append(f"{rule['record']}: {body.get('error')}")
+        elif not monitoring_stack.query(rule["record"])["data"]["result"]:
+            problems.append(f"{rule['record']}: no series recorded")
+    rules = monitoring_stack.api("/api/v1/rules")["data"]["groups"]
+    problems += [f"{r['name']}: {r.get('lastError')}" for g in rules for r in g["rules"] if r["health"] != "ok"]
+    assert not problems, "\n".join(problems)
+
+
+def test_saved_gpu_hours_arithmetic(monitoring_stack):
+    """Sample: pending 6+3+0 over R=3 -> 3 reserved-equivalent GPUs; committed 1+1 -> saved 1."""
+    q = lambda e: float(monitoring_stack.query(e)["data"]["result"][0]["value"][1])  # noqa: E731
+    assert q("cluster:gpuhub_gpus_reserved_equivalent:sum") == pytest.approx(3.0)
+    assert q("cluster:gpuhub_gpus_committed:sum") == pytest.approx(2.0)
+    assert q("cluster:gpuhub_gpus_saved:sum") == pytest.approx(1.0)
+    assert q('node:gpuhub_subscription_ratio:ratio{node="gpu1"}') == pytest.approx(6 / 4 / 3)
+
+
+def test_scrape_jobs_up_with_tokens(monitoring_stack):
+    """Every target of the rendered config is up: tokens from the credentials dir reach the exporters."""
+    targets = monitoring_stack.api("/api/v1/targets")["data"]["activeTargets"]
+    jobs = {t["labels"]["job"] for t in targets}
+    assert {"gpuhub-agent", "gpuhub-scheduler", "jupyterhub", "node", "dcgm", "prometheus"} <= jobs
+    down = [(t["labels"]["job"], t["scrapeUrl"], t["lastError"]) for t in targets if t["health"] != "up"]
+    assert not down
+    for name, e in monitoring_stack.exporters.items():
+        assert e.scrapes > 0 and e.refused == 0, f"{name}: {e.scrapes} scrapes, {e.refused} refused"
+    # the agent's own node label is kept (honor_labels), no exported_node
+    r = monitoring_stack.query("gpuhub_agent_gpus")["data"]["result"]
+    assert sorted(s["metric"]["node"] for s in r) == ["gpu1", "gpu2", "hub1"]
+    assert not any("exported_node" in s["metric"] for s in r)
+
+
+def test_metric_names_are_in_the_contract():
+    """gpuhub_* names the dashboards and rules use exist in docs/interfaces.md."""
+    contract = (REPO / "docs" / "interfaces.md").read_text()
+    known = set(re.findall(r"gpuhub_[a-z_]+", contract))
+    rules = (REPO / "roles" / "prometheus" / "templates" / "gpuhub.rules.yml.j2").read_text()
+    texts = [expr for _, expr in dashboard_exprs()] + [rules]
+    used = {n for t in texts for n in re.findall(r"(?<![:\w])gpuhub_[a-z_]+", t)}
+    unknown = {n for n in used if n not in known and n.removesuffix("_total") not in known}
+    assert not unknown, f"metric names not in docs/interfaces.md: {sorted(unknown)}"
+
+
+# --------------------------------------------------------------------------- (b) promtool
+
+
+def test_promtool_check_config_rendered(monitoring_stack, prometheus_bins):
+    r = subprocess.run([prometheus_bins.promtool, "check", "config", str(monitoring_stack.config_dir / "prometheus.yml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 rule files found" in r.stdout + r.stderr
+
+
+def test_promtool_check_config_defaults_and_empty_groups(prometheus_bins, tmp_path):
+    """Default ports, a one-box inventory without GPU nodes: still a valid config."""
+    inv = local_inventory({"box": {"ansible_host": "127.0.0.1"}}, {"hub": ["box"], "monitoring": ["box"]})
+    out = run_role_config(tmp_path, inv, {})
+    cfg = yaml.safe_load((out / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["gpuhub-agent"]["static_configs"] == []
+    assert jobs["gpuhub-scheduler"]["static_configs"] == [{"targets": ["127.0.0.1:8600"], "labels": {"node": "box"}}]
+    assert jobs["jupyterhub"]["static_configs"][0]["targets"] == ["127.0.0.1:8081"]
+    assert jobs["jupyterhub"]["metrics_path"] == "/hub/metrics"
+    assert jobs["node"]["static_configs"][0]["targets"] == ["127.0.0.1:9100"]
+    assert jobs["gpuhub-agent"]["authorization"]["credentials_file"].endswith("/secrets/agent.token")
+    for token in ("agent.token", "scheduler.token", "jupyterhub-metrics.token"):
+        copy = (out / "secrets" / token).read_text()
+        assert copy == (tmp_path / "credentials" / token).read_text().strip() and len(copy) == 48
+        assert (out / "secrets" / token).stat().st_mode & 0o777 == 0o400
+    r = subprocess.run([prometheus_bins.promtool, "check", "config", str(out / "prometheus.yml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- (c) dashboards as code
+
+
+def test_dashboards_check_is_clean():
+    r = subprocess.run([sys.executable, "-m", "gpuhub.monitoring.dashboards", "--check"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dashboards_check_detects_drift(tmp_path):
+    from gpuhub.monitoring import dashboards
+
+    assert dashboards.main(["--output-dir", str(tmp_path)]) == 0
+    assert dashboards.check(tmp_path) == []
+    path = next(tmp_path.glob("*.json"))
+    path.write_text(path.read_text().replace("gpuhub_agent_gpus", "gpuhub_agent_gpuz", 1))
+    assert dashboards.check(tmp_path)
+    assert dashboards.main(["--output-dir", str(tmp_path), "--check"]) == 1
+
+
+def test_dashboard_models_are_sane():
+    for path in DASHBOARDS:
+        model = json.loads(path.read_text())
+        assert model["uid"] and model["title"]
+        ids = [p["id"] for p in _panels(model)]
+        assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
+        for p in _panels(model):
+            if p["type"] != "row":
+                assert p["datasource"]["uid"] == "${datasource}", f"{path.name}: {p['title']}"
+                assert p["gridPos"]["w"] <= 24
+
+
+def _panels(model):
+    for p in model["panels"]:
+        yield p
+        yield from p.get("panels", []) or []
+
+
+# --------------------------------------------------------------------------- (d) Grafana provisioning
+
+
+def _render_grafana_template(name: str, **overrides) -> dict:
+    import jinja2
+
+    defaults = yaml.safe_load((REPO / "roles" / "grafana" / "defaults" / "main.yml").read_text())
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    env.filters["to_json"] = json.dumps
+    src = (REPO / "roles" / "grafana" / "templates" / name).read_text()
+    return yaml.safe_load(env.from_string(src).render(ansible_managed="Ansible managed", **{**defaults, **overrides}))
+
+
+def test_grafana_datasource_provisioning_parses():
+    doc = _render_grafana_template("datasource.yml.j2")
+    assert doc["apiVersion"] == 1
+    (ds,) = doc["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://127.0.0.1:9090" and ds["isDefault"] is True
+
+
+def test_grafana_dashboard_provider_parses():
+    doc = _render_grafana_template("dashboards.yml.j2")
+    (prov,) = doc["providers"]
+    assert prov["type"] == "file" and prov["options"]["path"] == "/etc/grafana/dashboards/gpuhub"
+
+
+def test_grafana_ini_has_no_default_password():
+    import configparser
+
+    import jinja2
+
+    defaults = yaml.safe_load((REPO / "roles" / "grafana" / "defaults" / "main.yml").read_text())
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    env.filters["bool"] = bool
+    text = env.from_string((REPO / "roles" / "grafana" / "templates" / "grafana.ini.j2").read_text()).render(
+        ansible_managed="Ansible managed", **defaults)
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read_string(text)
+    assert ini["security"]["admin_password"].startswith("$__file{")
+    assert ini["security"]["secret_key"].startswith("$__file{")
+    assert ini["auth.anonymous"]["enabled"] == "false"
+    assert ini["analytics"]["check_for_updates"] == "false"
