@@ -1,0 +1,30 @@
+"""`python -m bench [NAME …]`: run the benchmarks and print their markdown sections.
+
+Each benchmark module has a ``main()`` that returns (or prints) a markdown section with its command.
+Results are pasted into docs/benchmarks.md by hand, with the date and machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench"}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(f"# running {name} …", file=sys.stderr, flush=True)
+        out = importlib.import_module(BENCHES[name]).main()
+        if isinstance(out, str):
+            print(out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

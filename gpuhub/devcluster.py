@@ -1,0 +1,123 @@
+"""Real gpuhub daemons on 127.0.0.1, for tests, benchmarks and trying gpuhub on one machine.
+
+Each daemon is a real process started from a generated config (fake GPUs, the process unit
+backend); nothing is mocked. Traffic stays on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AgentProcess:
+    def __init__(self, tmp: Path, name: str, gpus: int, extra: str = "") -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = secrets.token_urlsafe(24)
+        self.dir = tmp / name
+        (self.dir / "secrets").mkdir(parents=True)
+        token_file = self.dir / "secrets" / "agent.token"
+        token_file.write_text(self.token)
+        token_file.chmod(0o600)
+        fake = ", ".join('{ name = "Fake GPU", memory_mib = 16384 }' for _ in range(gpus))
+        self.config = self.dir / "agent.toml"
+        self.config.write_text(
+            f'node_name = "{name}"\nlisten_address = "127.0.0.1"\nport = {self.port}\n'
+            f'kernel_ip = "127.0.0.1"\ntoken_file = "{token_file}"\nstate_dir = "{self.dir}/state"\n'
+            f'runtime_dir = "{self.dir}/run"\nunit_backend = "process"\nmin_uid = 0\n'
+            f'lease_check_interval_s = 0.5\n{extra}\n'
+            f'[gpus]\nbackend = "{"fake" if gpus else "none"}"\nfake = [{fake}]\n'
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProcess":
+        self.log = open(self.dir / "agent.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "/api/v1/node")
+                return self
+            except (urllib.error.URLError, ConnectionError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"agent died: {(self.dir / 'agent.log').read_text()}")
+                time.sleep(0.1)
+        raise RuntimeError("agent did not start")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            self.proc.wait(10)
+
+    def call(self, method: str, path: str, body=None, token: str | None = "admin", raw: bytes | None = None):
+        headers = {"Content-Type": "application/json"}
+        if token == "admin":
+            token = self.token
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, method=method, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read() or b"null") if "json" in resp.headers.get("Content-Type", "") else resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+
+def current_user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+class SchedulerProcess:
+    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = secrets.token_urlsafe(24)
+        self.dir = tmp / "scheduler"
+        (self.dir / "secrets").mkdir(parents=True)
+        for name, value in (("scheduler.token", self.token), ("agent.token", agent_token)):
+            p = self.dir / "secrets" / name
+            p.write_text(value)
+            p.chmod(0o600)
+        static = ", ".join(f'"{t}" = "{u}"' for t, u in user_tokens.items())
+        self.config = self.dir / "scheduler.toml"
+        self.config.write_text(
+            f'listen_address = "127.0.0.1"\nport = {self.port}\n'
+            f'token_file = "{self.dir}/secrets/scheduler.token"\nagent_token_file = "{self.dir}/secrets/agent.token"\n'
+            f'state_dir = "{self.dir}/state"\nnode_timeout_s = 10\nhub_api_url = ""\n'
+            f'static_user_tokens = {{ {static} }}\n'
+        )
+
+    def start(self) -> "SchedulerProcess":
+        self.log = open(self.dir / "scheduler.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
