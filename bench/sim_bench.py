@@ -50,7 +50,9 @@ def e1(sessions: int, hours: float, runs: int) -> list[str]:
         res = simulate(trace, SimConfig(policy="gpuhub"))
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
-    out.append(f"### E1 — throughput ({cells:,} cells, {sessions:,} sessions over {hours:,.0f} h)\n")
+    out.append(
+        f"### E1 — throughput ({cells:,} cells, {sessions:,} sessions over {hours:,.0f} h)\n"
+    )
     out.append("| step | seconds | cells/s |")
     out.append("|---|---:|---:|")
     out.append(f"| generate (in memory) | {gen_s:.1f} | {cells / gen_s:,.0f} |")
@@ -103,10 +105,10 @@ def e2(seeds: list[int]) -> list[str]:
     out.append(HEAD)
     best = {}
     for label, kw in (
-        (f"fixed {full} nodes (reservation peak)", dict(nodes=full)),
-        (f"autoscale (cap {full})", dict(nodes=full, autoscale=True)),
-        (f"fixed {half} nodes (half)", dict(nodes=half)),
-        (f"fixed {half} nodes, closed loop", dict(nodes=half, closed_loop=True)),
+        (f"fixed {full} nodes (reservation peak)", {"nodes": full}),
+        (f"autoscale (cap {full})", {"nodes": full, "autoscale": True}),
+        (f"fixed {half} nodes (half)", {"nodes": half}),
+        (f"fixed {half} nodes, closed loop", {"nodes": half, "closed_loop": True}),
     ):
         for policy in POLICIES:
             r = simulate(trace, SimConfig(policy=policy, **kw))
@@ -114,8 +116,12 @@ def e2(seeds: list[int]) -> list[str]:
             best[(label, policy)] = r
     out.append("")
     # cluster-size sweep: how small can a fixed cluster get before delays grow?
-    out.append(f"Fixed cluster size sweep, same trace (hardware saving = (reserved − provisioned) / bound):\n")
-    out.append("| nodes | GPUs | gpuhub p95 s | gpuhub p99 s | gpuhub ≤ 1 s | batch p95 s | batch p99 s | reservation p95 s | hardware saving |")
+    out.append(
+        "Fixed cluster size sweep, same trace (hardware saving = (reserved − provisioned) / bound):\n"
+    )
+    out.append(
+        "| nodes | GPUs | gpuhub p95 s | gpuhub p99 s | gpuhub ≤ 1 s | batch p95 s | batch p99 s | reservation p95 s | hardware saving |"
+    )
     out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in range(3, full + 1):
         g = simulate(trace, SimConfig(policy="gpuhub", nodes=n))
@@ -128,9 +134,13 @@ def e2(seeds: list[int]) -> list[str]:
         )
     out.append("")
     # robustness over seeds: gpuhub only, fixed reservation-sized cluster and autoscale
-    out.append(f"Over seeds {', '.join(map(str, seeds))} (gpuhub policy; batch for comparison):\n")
-    out.append("| seed | cells | gpuhub p95 s (fixed) | gpuhub p99 s (fixed) | gpuhub p95 s (autoscale) | gpuhub p99 s (autoscale) "
-               "| gpuhub (reserved − provisioned) / bound, autoscale | batch p95 s (fixed) |")
+    out.append(
+        f"Over seeds {', '.join(map(str, seeds))} (gpuhub policy; batch for comparison):\n"
+    )
+    out.append(
+        "| seed | cells | gpuhub p95 s (fixed) | gpuhub p99 s (fixed) | gpuhub p95 s (autoscale) | gpuhub p99 s (autoscale) "
+        "| gpuhub (reserved − provisioned) / bound, autoscale | batch p95 s (fixed) |"
+    )
     out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seed in seeds:
         tr = generate(GenConfig(sessions=60, hours=48, seed=seed))
@@ -148,18 +158,26 @@ def e2(seeds: list[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sim_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.sim_bench", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--runs", type=int, default=3, help="E1 runs (median reported)")
     p.add_argument("--e1-sessions", type=int, default=22000)
     p.add_argument("--e1-hours", type=float, default=4320.0)
     p.add_argument("--seeds", default="1,2,3,4,5")
-    p.add_argument("--quick", action="store_true", help="E1 with a tenth of the sessions, one run")
+    p.add_argument(
+        "--quick", action="store_true", help="E1 with a tenth of the sessions, one run"
+    )
     p.add_argument("--skip-e1", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.e1_sessions //= 10
         args.runs = 1
-    cmd = "python -m bench.sim_bench" + ("" if not (argv if argv is not None else sys.argv[1:]) else " " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    cmd = "python -m bench.sim_bench" + (
+        ""
+        if not (argv if argv is not None else sys.argv[1:])
+        else " " + shlex.join(argv if argv is not None else sys.argv[1:])
+    )
     lines = [
         "## Simulator (issue #4)\n",
         f"Command: `{cmd}` — Python {platform.python_version()}, {os.cpu_count()} CPU(s), {platform.machine()}.\n",

@@ -4,6 +4,14 @@ from .engine import POLICIES, SimConfig, SimError, SimResult, simulate
 from .trace import Session, Trace, TraceError, load_trace, write_trace
 
 __all__ = [
-    "POLICIES", "Session", "SimConfig", "SimError", "SimResult", "Trace", "TraceError",
-    "load_trace", "simulate", "write_trace",
+    "POLICIES",
+    "Session",
+    "SimConfig",
+    "SimError",
+    "SimResult",
+    "Trace",
+    "TraceError",
+    "load_trace",
+    "simulate",
+    "write_trace",
 ]

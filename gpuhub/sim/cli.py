@@ -13,7 +13,14 @@ import time
 
 from .engine import POLICIES, SimConfig, SimError, simulate
 from .generate import GenConfig, generate, trace_stats
-from .report import PlotUnavailable, Progress, format_json, format_table, require_matplotlib, write_plot
+from .report import (
+    PlotUnavailable,
+    Progress,
+    format_json,
+    format_table,
+    require_matplotlib,
+    write_plot,
+)
 from .trace import TraceError, load_trace, write_trace
 
 
@@ -24,34 +31,94 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="{run,generate}")
 
-    r = sub.add_parser("run", help="simulate a trace directory (sessions.csv, cells.csv)")
+    r = sub.add_parser(
+        "run", help="simulate a trace directory (sessions.csv, cells.csv)"
+    )
     r.add_argument("trace_dir", metavar="TRACE_DIR")
-    r.add_argument("--policy", choices=POLICIES + ("all",), default="gpuhub",
-                   help="GPU allocation policy; 'all' runs the three side by side (default: gpuhub)")
-    r.add_argument("--nodes", type=int, default=None,
-                   help="GPU servers (the cap with --autoscale); default: ceil(peak reserved GPUs / G) + R")
-    r.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="default: 8")
-    r.add_argument("--replicas", type=int, default=3, metavar="R", help="replicas per kernel (default: 3)")
-    r.add_argument("--max-subscription-ratio", type=float, default=7.0, metavar="X",
-                   help="admission cap on pending / (G * R) per node (default: 7.0, as NotebookOS)")
-    r.add_argument("--autoscale", action="store_true",
-                   help="keep active nodes following demand (NotebookOS rule, every 30 s)")
-    r.add_argument("--closed-loop", action="store_true",
-                   help="submit a session's next cell a think time after the previous one actually ended")
-    r.add_argument("--batch-start-cost-s", type=float, default=5.0, metavar="S",
-                   help="batch policy: seconds to start each cell's job, GPUs held meanwhile (default: 5)")
-    r.add_argument("--json", action="store_true", help="print one JSON object per policy")
-    r.add_argument("--plot", metavar="FILE.png", help="write GPUs-held and delay-CDF plots (needs matplotlib)")
-    r.add_argument("--progress", action="store_true", help="progress bar on stderr even when it is not a TTY")
+    r.add_argument(
+        "--policy",
+        choices=POLICIES + ("all",),
+        default="gpuhub",
+        help="GPU allocation policy; 'all' runs the three side by side (default: gpuhub)",
+    )
+    r.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="GPU servers (the cap with --autoscale); default: ceil(peak reserved GPUs / G) + R",
+    )
+    r.add_argument(
+        "--gpus-per-node", type=int, default=8, metavar="G", help="default: 8"
+    )
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=3,
+        metavar="R",
+        help="replicas per kernel (default: 3)",
+    )
+    r.add_argument(
+        "--max-subscription-ratio",
+        type=float,
+        default=7.0,
+        metavar="X",
+        help="admission cap on pending / (G * R) per node (default: 7.0, as NotebookOS)",
+    )
+    r.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="keep active nodes following demand (NotebookOS rule, every 30 s)",
+    )
+    r.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="submit a session's next cell a think time after the previous one actually ended",
+    )
+    r.add_argument(
+        "--batch-start-cost-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="batch policy: seconds to start each cell's job, GPUs held meanwhile (default: 5)",
+    )
+    r.add_argument(
+        "--json", action="store_true", help="print one JSON object per policy"
+    )
+    r.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="write GPUs-held and delay-CDF plots (needs matplotlib)",
+    )
+    r.add_argument(
+        "--progress",
+        action="store_true",
+        help="progress bar on stderr even when it is not a TTY",
+    )
 
-    g = sub.add_parser("generate", help="write a synthetic trace following published notebook figures")
+    g = sub.add_parser(
+        "generate", help="write a synthetic trace following published notebook figures"
+    )
     g.add_argument("out_dir", metavar="OUT_DIR")
     g.add_argument("--sessions", type=int, default=60, metavar="N", help="default: 60")
-    g.add_argument("--hours", type=float, default=48.0, metavar="H", help="trace window (default: 48)")
+    g.add_argument(
+        "--hours",
+        type=float,
+        default=48.0,
+        metavar="H",
+        help="trace window (default: 48)",
+    )
     g.add_argument("--seed", type=int, default=1, metavar="S", help="default: 1")
-    g.add_argument("--busy-frac", type=float, default=0.25,
-                   help="GPU-busy share of reserved GPU time per session (default: 0.25, published)")
-    g.add_argument("--stats", action="store_true", help="print the generated trace's summary figures")
+    g.add_argument(
+        "--busy-frac",
+        type=float,
+        default=0.25,
+        help="GPU-busy share of reserved GPU time per session (default: 0.25, published)",
+    )
+    g.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the generated trace's summary figures",
+    )
     return p
 
 
@@ -88,7 +155,9 @@ def _run(args) -> int:
         if args.batch_start_cost_s < 0:
             return _err("--batch-start-cost-s must not be negative")
         try:
-            results.append(simulate(trace, cfg, Progress(policy) if show_progress else None))
+            results.append(
+                simulate(trace, cfg, Progress(policy) if show_progress else None)
+            )
         except SimError as exc:
             return _err(str(exc))
     print(format_json(results) if args.json else format_table(results))
@@ -105,7 +174,14 @@ def _generate(args) -> int:
     if not 0 < args.busy_frac <= 1:
         return _err("--busy-frac must be in (0, 1]")
     t = time.perf_counter()
-    trace = generate(GenConfig(sessions=args.sessions, hours=args.hours, seed=args.seed, busy_frac=args.busy_frac))
+    trace = generate(
+        GenConfig(
+            sessions=args.sessions,
+            hours=args.hours,
+            seed=args.seed,
+            busy_frac=args.busy_frac,
+        )
+    )
     try:
         write_trace(trace, args.out_dir)
     except OSError as exc:

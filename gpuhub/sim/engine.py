@@ -34,8 +34,8 @@ import heapq
 import math
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 from gpuhub.agent.leases import LeaseBook
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
@@ -111,7 +111,9 @@ class SimResult:
     events: int
     # not in to_dict(): raw material for plots
     delays: array = field(default_factory=lambda: array("d"), repr=False)
-    timeline: list = field(default_factory=list, repr=False)  # (t, gpus held, active nodes)
+    timeline: list = field(
+        default_factory=list, repr=False
+    )  # (t, gpus held, active nodes)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -149,7 +151,16 @@ def percentile(sorted_values, p: float) -> float:
 
 
 class _Node:
-    __slots__ = ("idx", "name", "book", "active", "cordoned", "view", "waiters", "bucket")
+    __slots__ = (
+        "active",
+        "book",
+        "bucket",
+        "cordoned",
+        "idx",
+        "name",
+        "view",
+        "waiters",
+    )
 
     def __init__(self, idx: int, gpus: int):
         self.idx = idx
@@ -159,7 +170,9 @@ class _Node:
         self.cordoned = False
         self.view: NodeView | None = None  # cached NodeView, None when stale
         self.waiters: deque = deque()  # gpuhub: (session state, wait token)
-        self.bucket = -1  # reservation/batch: index into free buckets, -1 when not listed
+        self.bucket = (
+            -1
+        )  # reservation/batch: index into free buckets, -1 when not listed
 
     def idle(self) -> bool:
         return not self.book.leases and not self.book.placed
@@ -167,16 +180,34 @@ class _Node:
 
 class _SState:
     __slots__ = (
-        "s", "sid", "ncells", "queue", "running", "lease", "lease_node", "executor", "replicas",
-        "placed", "done", "trace_ended", "finished", "hold", "hold_node", "hold_since", "token",
-        "waiting", "arrived",
+        "arrived",
+        "done",
+        "executor",
+        "finished",
+        "hold",
+        "hold_node",
+        "hold_since",
+        "lease",
+        "lease_node",
+        "ncells",
+        "placed",
+        "queue",
+        "replicas",
+        "running",
+        "s",
+        "sid",
+        "token",
+        "trace_ended",
+        "waiting",
     )
 
     def __init__(self, s: Session):
         self.s = s
         self.sid = s.session_id
         self.ncells = len(s.cells)
-        self.queue: deque = deque()  # submitted, not yet started: (cell index, submit time)
+        self.queue: deque = (
+            deque()
+        )  # submitted, not yet started: (cell index, submit time)
         self.running = False
         self.lease = None
         self.lease_node: _Node | None = None
@@ -189,15 +220,24 @@ class _SState:
         self.hold = None  # reservation lease
         self.hold_node: _Node | None = None
         self.hold_since = 0.0
-        self.token = 0  # bumps when a waiting head cell starts: stale waiter entries are skipped
+        self.token = (
+            0  # bumps when a waiting head cell starts: stale waiter entries are skipped
+        )
         self.waiting = False
         self.arrived = 0.0
 
 
 class Simulator:
-    def __init__(self, trace: Trace, config: SimConfig, progress: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        trace: Trace,
+        config: SimConfig,
+        progress: Callable[[int, int], None] | None = None,
+    ):
         if config.policy not in POLICIES:
-            raise SimError(f"unknown policy {config.policy!r} (choose from {', '.join(POLICIES)})")
+            raise SimError(
+                f"unknown policy {config.policy!r} (choose from {', '.join(POLICIES)})"
+            )
         if config.gpus_per_node < 1:
             raise SimError("--gpus-per-node must be at least 1")
         if config.replicas < 1:
@@ -212,11 +252,17 @@ class Simulator:
                 raise SimError(
                     f"session {s.session_id!r} asks for {s.gpus} GPUs but nodes have {self.G} (--gpus-per-node)"
                 )
-        n = config.nodes if config.nodes is not None else default_nodes(trace, self.G, config.replicas)
+        n = (
+            config.nodes
+            if config.nodes is not None
+            else default_nodes(trace, self.G, config.replicas)
+        )
         if n < 1:
             raise SimError("--nodes must be at least 1")
         if config.policy == "gpuhub" and n < config.replicas:
-            raise SimError(f"{config.replicas} replicas need at least {config.replicas} nodes, got --nodes {n}")
+            raise SimError(
+                f"{config.replicas} replicas need at least {config.replicas} nodes, got --nodes {n}"
+            )
         self.N = n
         self.nodes = [_Node(i, self.G) for i in range(n)]
         self.progress = progress
@@ -224,7 +270,7 @@ class Simulator:
         self.seq = 0
         self.delays = array("d")
         # free buckets (reservation, batch): buckets[f] = nodes with f free GPUs, schedulable
-        self.buckets: list[dict] = [dict() for _ in range(self.G + 1)]
+        self.buckets: list[dict] = [{} for _ in range(self.G + 1)]
         self.batch_queue: deque = deque()  # (state, cell index, submit time)
         self.res_queue: deque = deque()  # reservation sessions waiting for GPUs
         self.place_queue: deque = deque()  # gpuhub sessions waiting for placement
@@ -253,8 +299,7 @@ class Simulator:
 
     def _held(self, delta: int, t: float) -> None:
         self.committed_now += delta
-        if self.committed_now > self.peak_committed:
-            self.peak_committed = self.committed_now
+        self.peak_committed = max(self.peak_committed, self.committed_now)
         if self.cfg.record_timeline:
             self.timeline.append((t, self.committed_now, self.active_count))
 
@@ -296,7 +341,13 @@ class Simulator:
         v = node.view
         if v is None:
             book = node.book
-            v = node.view = NodeView(node.name, book.gpu_count, book.pending, book.committed, not node.cordoned)
+            v = node.view = NodeView(
+                node.name,
+                book.gpu_count,
+                book.pending,
+                book.committed,
+                not node.cordoned,
+            )
         return v
 
     # ------------------------------------------------------------------ run
@@ -310,7 +361,9 @@ class Simulator:
         self.now = t0
         self.prov_t = t0
         if cfg.autoscale:
-            for node in self.nodes[: min(self.N, max(cfg.scale_buffer_hosts, cfg.replicas))]:
+            for node in self.nodes[
+                : min(self.N, max(cfg.scale_buffer_hosts, cfg.replicas))
+            ]:
                 self._set_active(node, True, t0)
             self._push(t0, _AUTOSCALE, None)
         else:
@@ -391,13 +444,17 @@ class Simulator:
         cfg = self.cfg
         views = [self._view(n) for n in self.nodes if n.active]
         try:
-            chosen = place_replicas(views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio)
+            chosen = place_replicas(
+                views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio
+            )
         except PlacementError:
             if not (cfg.autoscale and self._scale_out_for_placement(st, t)):
                 return False
             views = [self._view(n) for n in self.nodes if n.active]
             try:
-                chosen = place_replicas(views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio)
+                chosen = place_replicas(
+                    views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio
+                )
             except PlacementError:
                 return False
         by_name = {n.name: n for n in self.nodes if n.active}
@@ -484,8 +541,8 @@ class Simulator:
         """Start the session's oldest submitted cell if the policy allows it now."""
         if not st.placed:
             return  # waits for its reservation or placement; retried from the drain functions
-        k, submit = st.queue[0]
-        _, dur, g = st.s.cells[k]
+        k, _submit = st.queue[0]
+        _, _dur, g = st.s.cells[k]
         pol = self.cfg.policy
         if pol == "reservation" or g == 0:
             self._start(st, t, None, None)
@@ -618,8 +675,18 @@ class Simulator:
     def _autoscale(self, t: float) -> None:
         cfg = self.cfg
         demand = self.committed_now + self.waiting_gpus
-        out_target = min(self.N, max(cfg.replicas, math.ceil(demand * cfg.scale_out_factor / self.G) + cfg.scale_buffer_hosts))
-        in_target = max(cfg.replicas, math.ceil(demand * cfg.scale_in_factor / self.G) + cfg.scale_buffer_hosts)
+        out_target = min(
+            self.N,
+            max(
+                cfg.replicas,
+                math.ceil(demand * cfg.scale_out_factor / self.G)
+                + cfg.scale_buffer_hosts,
+            ),
+        )
+        in_target = max(
+            cfg.replicas,
+            math.ceil(demand * cfg.scale_in_factor / self.G) + cfg.scale_buffer_hosts,
+        )
         # cordoned nodes count as leaving: they take no new work
         serving = sum(1 for n in self.nodes if n.active and not n.cordoned)
         changed = 0
@@ -679,7 +746,9 @@ class Simulator:
                 return False
             views = [self._view(n) for n in self.nodes if n.active]
             try:
-                place_replicas(views, st.s.gpus, self.cfg.replicas, self.cfg.max_subscription_ratio)
+                place_replicas(
+                    views, st.s.gpus, self.cfg.replicas, self.cfg.max_subscription_ratio
+                )
                 return True
             except PlacementError:
                 continue
@@ -746,7 +815,9 @@ class Simulator:
             session_wait_max_s=self.session_wait_max,
             peak_committed_gpus=self.peak_committed,
             peak_active_nodes=self.peak_active,
-            mean_active_nodes=(self.prov_node_s / horizon) if horizon > 0 else float(self.active_count),
+            mean_active_nodes=(self.prov_node_s / horizon)
+            if horizon > 0
+            else float(self.active_count),
             scale_outs=self.scale_outs,
             scale_ins=self.scale_ins,
             events=self.events,
@@ -761,5 +832,7 @@ def _count_le(sorted_values, x: float) -> int:
     return bisect.bisect_right(sorted_values, x)
 
 
-def simulate(trace: Trace, config: SimConfig, progress: Callable[[int, int], None] | None = None) -> SimResult:
+def simulate(
+    trace: Trace, config: SimConfig, progress: Callable[[int, int], None] | None = None
+) -> SimResult:
     return Simulator(trace, config, progress).run()

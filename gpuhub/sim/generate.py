@@ -17,10 +17,23 @@ from dataclasses import dataclass
 from .trace import Session, Trace
 
 # (quantile, value) points of inverse CDFs, values in seconds
-SESSION_LENGTH = ((0.0, 900.0), (0.1, 3600.0), (0.5, 21 * 3600.0), (0.9, 72 * 3600.0), (1.0, 168 * 3600.0))
+SESSION_LENGTH = (
+    (0.0, 900.0),
+    (0.1, 3600.0),
+    (0.5, 21 * 3600.0),
+    (0.9, 72 * 3600.0),
+    (1.0, 168 * 3600.0),
+)
 # published: p50 5-6 min, p90 32 min, p99 7 h, "up to days"; minimum 60 s because the traces are
 # binned at 60 s (sub-minute cells are modelled separately, SHORT_CELL)
-LONG_CELL = ((0.0, 60.0), (0.5, 330.0), (0.9, 1920.0), (0.99, 7 * 3600.0), (0.999, 86400.0), (1.0, 3 * 86400.0))
+LONG_CELL = (
+    (0.0, 60.0),
+    (0.5, 330.0),
+    (0.9, 1920.0),
+    (0.99, 7 * 3600.0),
+    (0.999, 86400.0),
+    (1.0, 3 * 86400.0),
+)
 # published: p50 3 min, p90 38 min; the tail beyond p90 is an assumption
 THINK = ((0.0, 5.0), (0.5, 150.0), (0.9, 1200.0), (0.99, 2 * 3600.0), (1.0, 6 * 3600.0))
 # assumptions: seconds-long cells (inspecting data, printing shapes, small edits) in quick bursts
@@ -35,9 +48,15 @@ class GenConfig:
     sessions: int = 60
     hours: float = 48.0
     seed: int = 1
-    busy_frac: float = 0.25  # GPU-busy / reserved GPU time per session (published: about 25%)
-    short_burst_mean: float = 1.0  # mean short cells before each long cell (assumption: half the cells)
-    long_cell_gpu_prob: float = 0.85  # a long cell of a GPU session uses its GPUs (else CPU-only)
+    busy_frac: float = (
+        0.25  # GPU-busy / reserved GPU time per session (published: about 25%)
+    )
+    short_burst_mean: float = (
+        1.0  # mean short cells before each long cell (assumption: half the cells)
+    )
+    long_cell_gpu_prob: float = (
+        0.85  # a long cell of a GPU session uses its GPUs (else CPU-only)
+    )
     short_cell_gpu_prob: float = 0.5  # same for short cells (assumption)
 
 
@@ -76,7 +95,9 @@ def generate(cfg: GenConfig) -> Trace:
     horizon = cfg.hours * 3600.0
     sizes = [g for g, _ in SESSION_GPUS]
     weights = [w for _, w in SESSION_GPUS]
-    p_short = 1.0 / (1.0 + cfg.short_burst_mean)  # geometric burst length with that mean
+    p_short = 1.0 / (
+        1.0 + cfg.short_burst_mean
+    )  # geometric burst length with that mean
     width = max(3, len(str(max(cfg.sessions - 1, 0))))
     sessions = []
     for i in range(cfg.sessions):
@@ -89,7 +110,9 @@ def generate(cfg: GenConfig) -> Trace:
             end = _r(start + 1.0)
         gpus = rng.choices(sizes, weights)[0]
         length = end - start
-        target = cfg.busy_frac * length  # busy seconds, cells weighted by their share of the session's GPUs
+        target = (
+            cfg.busy_frac * length
+        )  # busy seconds, cells weighted by their share of the session's GPUs
         # 1) a compact sequence of cells (relative times), with the published think times
         rel = []  # (submit, duration, gpus)
         t = busy = 0.0
@@ -194,6 +217,8 @@ def trace_stats(trace: Trace) -> dict:
         "long_think_p50_s": percentile(long_thinks, 50),
         "long_think_p90_s": percentile(long_thinks, 90),
         "cells_by_gpus": gpu_cells,
-        "busy_frac_of_reserved": (trace.busy_gpu_seconds() / reserved) if reserved else 0.0,
+        "busy_frac_of_reserved": (trace.busy_gpu_seconds() / reserved)
+        if reserved
+        else 0.0,
         "gpu_hours_reserved": reserved / 3600,
     }

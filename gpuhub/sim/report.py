@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .engine import SimResult
 
@@ -35,7 +35,9 @@ TABLE_ROWS = (
 def format_table(results: Sequence[SimResult]) -> str:
     dicts = [r.to_dict() for r in results]
     header = ["metric"] + [d["policy"] for d in dicts]
-    rows = [[label] + [fmt.format(d[key]) for d in dicts] for key, label, fmt in TABLE_ROWS]
+    rows = [
+        [label] + [fmt.format(d[key]) for d in dicts] for key, label, fmt in TABLE_ROWS
+    ]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = []
     first = dicts[0]
@@ -45,7 +47,9 @@ def format_table(results: Sequence[SimResult]) -> str:
         f"horizon {first['horizon_s'] / 3600:.1f} h"
     )
     for j, row in enumerate([header] + rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:])
+        ]
         lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -90,11 +94,18 @@ def write_plot(results: Sequence[SimResult], path: str) -> None:
         if not pts:
             continue
         xs = [(t - t0) / 3600 for t, _, _ in pts]
-        (line,) = ax1.step(xs, [h for _, h, _ in pts], where="post", label=f"{r.policy}: GPUs held")
+        (line,) = ax1.step(
+            xs, [h for _, h, _ in pts], where="post", label=f"{r.policy}: GPUs held"
+        )
         if r.autoscale:
             ax1.step(
-                xs, [a * r.gpus_per_node for _, _, a in pts], where="post", linestyle="--",
-                color=line.get_color(), alpha=0.6, label=f"{r.policy}: GPUs provisioned",
+                xs,
+                [a * r.gpus_per_node for _, _, a in pts],
+                where="post",
+                linestyle="--",
+                color=line.get_color(),
+                alpha=0.6,
+                label=f"{r.policy}: GPUs provisioned",
             )
     ax1.set_xlabel("time (h)")
     ax1.set_ylabel("GPUs")
@@ -110,7 +121,9 @@ def write_plot(results: Sequence[SimResult], path: str) -> None:
         ys = [(i * step + 1) / len(d) for i in range(len(xs))]
         ax2.step(xs, ys, where="post", label=f"{r.policy} (p95 {r.delay_p95_s:.3g} s)")
     ax2.set_xscale("log")
-    ax2.set_xlabel(f"delay from submit to start (s, values < {floor:g} s drawn at {floor:g})")
+    ax2.set_xlabel(
+        f"delay from submit to start (s, values < {floor:g} s drawn at {floor:g})"
+    )
     ax2.set_ylabel("fraction of cells")
     ax2.set_ylim(0, 1.01)
     ax2.set_title("cell start delay CDF")

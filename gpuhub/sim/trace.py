@@ -58,7 +58,9 @@ class Trace:
         return sum(g * d for s in self.sessions for (_, d, g) in s.cells)
 
 
-def _num(value: str, column: str, path: str, line: int, *, integer: bool = False) -> float:
+def _num(
+    value: str, column: str, path: str, line: int, *, integer: bool = False
+) -> float:
     text = (value or "").strip()
     if text == "":
         raise TraceError(f"column {column!r} is empty", path, line)
@@ -66,17 +68,21 @@ def _num(value: str, column: str, path: str, line: int, *, integer: bool = False
         x = int(text) if integer else float(text)
     except ValueError:
         kind = "an integer" if integer else "a number"
-        raise TraceError(f"column {column!r} must be {kind}, got {text!r}", path, line) from None
+        raise TraceError(
+            f"column {column!r} must be {kind}, got {text!r}", path, line
+        ) from None
     if not integer and not math.isfinite(x):
         raise TraceError(f"column {column!r} must be finite, got {text!r}", path, line)
     if x < 0:
-        raise TraceError(f"column {column!r} must not be negative, got {text!r}", path, line)
+        raise TraceError(
+            f"column {column!r} must not be negative, got {text!r}", path, line
+        )
     return x
 
 
 def _reader(path: str, required: tuple[str, ...]):
     try:
-        fh = open(path, newline="", encoding="utf-8")
+        fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115 (closed by _rows)
     except FileNotFoundError:
         raise TraceError("file not found", path) from None
     except OSError as exc:
@@ -86,7 +92,9 @@ def _reader(path: str, required: tuple[str, ...]):
         header = next(reader)
     except StopIteration:
         fh.close()
-        raise TraceError("empty file (expected a header line: " + ",".join(required) + ")", path, 1) from None
+        raise TraceError(
+            "empty file (expected a header line: " + ",".join(required) + ")", path, 1
+        ) from None
     except (csv.Error, UnicodeDecodeError) as exc:
         fh.close()
         raise TraceError(f"unreadable CSV: {exc}", path, 1) from None
@@ -95,7 +103,9 @@ def _reader(path: str, required: tuple[str, ...]):
     if missing:
         fh.close()
         raise TraceError(
-            f"header lacks column(s) {', '.join(missing)} (found: {', '.join(names) or 'nothing'})", path, 1
+            f"header lacks column(s) {', '.join(missing)} (found: {', '.join(names) or 'nothing'})",
+            path,
+            1,
         )
     index = tuple(names.index(c) for c in required)
     return fh, reader, index
@@ -112,18 +122,24 @@ def _rows(path: str, required: tuple[str, ...]):
                 if not row or all(not c.strip() for c in row):
                     continue
                 if len(row) < width:
-                    raise TraceError(f"expected at least {width} fields, got {len(row)}", path, line)
+                    raise TraceError(
+                        f"expected at least {width} fields, got {len(row)}", path, line
+                    )
                 yield line, [row[i] for i in index]
         except csv.Error as exc:
             raise TraceError(f"unreadable CSV: {exc}", path, reader.line_num) from None
         except UnicodeDecodeError as exc:
-            raise TraceError(f"not UTF-8 text: {exc}", path, reader.line_num + 1) from None
+            raise TraceError(
+                f"not UTF-8 text: {exc}", path, reader.line_num + 1
+            ) from None
 
 
 def load_trace(directory: str) -> Trace:
     """Read and validate a trace directory; raise :class:`TraceError` on the first problem."""
     if not os.path.isdir(directory):
-        raise TraceError("not a directory (expected sessions.csv and cells.csv inside)", directory)
+        raise TraceError(
+            "not a directory (expected sessions.csv and cells.csv inside)", directory
+        )
     spath = os.path.join(directory, "sessions.csv")
     cpath = os.path.join(directory, "cells.csv")
     sessions: dict[str, Session] = {}
@@ -148,25 +164,37 @@ def load_trace(directory: str) -> Trace:
         d = _num(duration, "duration_s", cpath, line)
         g = int(_num(gpus, "gpus", cpath, line, integer=True))
         if g > sess.gpus:
-            raise TraceError(f"cell asks for {g} GPU(s) but session {sid!r} has {sess.gpus}", cpath, line)
+            raise TraceError(
+                f"cell asks for {g} GPU(s) but session {sid!r} has {sess.gpus}",
+                cpath,
+                line,
+            )
         if t < sess.start_s or t > sess.end_s:
             raise TraceError(
-                f"submit_s ({t:g}) is outside session {sid!r} ({sess.start_s:g}..{sess.end_s:g})", cpath, line
+                f"submit_s ({t:g}) is outside session {sid!r} ({sess.start_s:g}..{sess.end_s:g})",
+                cpath,
+                line,
             )
         sess.cells.append((t, d, g))
     for sess in sessions.values():
-        sess.cells.sort(key=lambda c: c[0])  # stable: equal submit times keep file order
+        sess.cells.sort(
+            key=lambda c: c[0]
+        )  # stable: equal submit times keep file order
     return Trace(list(sessions.values()))
 
 
 def write_trace(trace: Trace, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "sessions.csv"), "w", newline="", encoding="utf-8") as fh:
+    with open(
+        os.path.join(directory, "sessions.csv"), "w", newline="", encoding="utf-8"
+    ) as fh:
         w = csv.writer(fh)
         w.writerow(SESSION_COLUMNS)
         for s in trace.sessions:
             w.writerow((s.session_id, _fmt(s.start_s), _fmt(s.end_s), s.gpus))
-    with open(os.path.join(directory, "cells.csv"), "w", newline="", encoding="utf-8") as fh:
+    with open(
+        os.path.join(directory, "cells.csv"), "w", newline="", encoding="utf-8"
+    ) as fh:
         w = csv.writer(fh)
         w.writerow(CELL_COLUMNS)
         for s in trace.sessions:

@@ -3,40 +3,75 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from gpuhub.sim.cli import main
 from gpuhub.sim.generate import GenConfig, generate, trace_stats
 from gpuhub.sim.trace import load_trace
 
 KEYS = {
-    "policy", "cells", "gpu_hours_reserved", "gpu_hours_committed", "gpu_hours_provisioned",
-    "gpu_hours_saved_vs_reservation", "delay_p50_s", "delay_p95_s", "delay_p99_s",
-    "frac_started_within_1s", "frac_started_within_10s", "migrations",
+    "policy",
+    "cells",
+    "gpu_hours_reserved",
+    "gpu_hours_committed",
+    "gpu_hours_provisioned",
+    "gpu_hours_saved_vs_reservation",
+    "delay_p50_s",
+    "delay_p95_s",
+    "delay_p99_s",
+    "frac_started_within_1s",
+    "frac_started_within_10s",
+    "migrations",
 }
 
 
 def test_generate_then_run_round_trip(tmp_path, capsys):
     out = str(tmp_path / "gen")
-    assert main(["generate", out, "--sessions", "12", "--hours", "10", "--seed", "3", "--stats"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                out,
+                "--sessions",
+                "12",
+                "--hours",
+                "10",
+                "--seed",
+                "3",
+                "--stats",
+            ]
+        )
+        == 0
+    )
     assert "wrote 12 sessions" in capsys.readouterr().out
     trace = load_trace(out)
     assert len(trace.sessions) == 12 and trace.cell_count > 0
     assert main(["run", out, "--json", "--policy", "gpuhub"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert KEYS <= obj.keys()
-    assert obj["policy"] == "gpuhub" and obj["cells"] == trace.cell_count and obj["migrations"] == 0
+    assert (
+        obj["policy"] == "gpuhub"
+        and obj["cells"] == trace.cell_count
+        and obj["migrations"] == 0
+    )
     assert main(["run", out, "--policy", "all", "--autoscale", "--closed-loop"]) == 0
     table = capsys.readouterr().out
     assert "reservation" in table and "batch" in table and "delay p95 (s)" in table
     assert main(["run", out, "--policy", "all", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [json.loads(x)["policy"] for x in lines] == ["reservation", "batch", "gpuhub"]
+    assert [json.loads(x)["policy"] for x in lines] == [
+        "reservation",
+        "batch",
+        "gpuhub",
+    ]
 
 
 def test_generate_is_deterministic(tmp_path):
-    a, b = generate(GenConfig(sessions=5, seed=9)), generate(GenConfig(sessions=5, seed=9))
-    assert [(s.start_s, s.cells) for s in a.sessions] == [(s.start_s, s.cells) for s in b.sessions]
+    a, b = (
+        generate(GenConfig(sessions=5, seed=9)),
+        generate(GenConfig(sessions=5, seed=9)),
+    )
+    assert [(s.start_s, s.cells) for s in a.sessions] == [
+        (s.start_s, s.cells) for s in b.sessions
+    ]
 
 
 def test_generated_trace_follows_published_figures():
@@ -45,18 +80,26 @@ def test_generated_trace_follows_published_figures():
     assert 1300 <= stats["long_cell_duration_p90_s"] <= 2600  # published 32 min
     assert 0.15 <= stats["busy_frac_of_reserved"] <= 0.35  # published about 25%
     assert 120 <= stats["long_think_p50_s"] <= 300  # published 3 min
-    assert stats["short_cell_frac"] > 0.3 and all(stats["cells_by_gpus"][g] for g in (0, 1, 4, 8))
+    assert stats["short_cell_frac"] > 0.3 and all(
+        stats["cells_by_gpus"][g] for g in (0, 1, 4, 8)
+    )
 
 
 def test_bad_trace_exits_2_with_file_and_line(write_trace_files, capsys):
-    d = write_trace_files("session_id,start_s,end_s,gpus\na,0,10,1\n", "session_id,submit_s,duration_s,gpus\na,1,x,1\n")
+    d = write_trace_files(
+        "session_id,start_s,end_s,gpus\na,0,10,1\n",
+        "session_id,submit_s,duration_s,gpus\na,1,x,1\n",
+    )
     assert main(["run", d]) == 2
     err = capsys.readouterr().err
     assert "cells.csv:2" in err and "duration_s" in err
 
 
 def test_bad_config_exits_2(write_trace_files, capsys):
-    d = write_trace_files("session_id,start_s,end_s,gpus\na,0,10,8\n", "session_id,submit_s,duration_s,gpus\n")
+    d = write_trace_files(
+        "session_id,start_s,end_s,gpus\na,0,10,8\n",
+        "session_id,submit_s,duration_s,gpus\n",
+    )
     assert main(["run", d, "--gpus-per-node", "4"]) == 2
     assert "8 GPUs but nodes have 4" in capsys.readouterr().err
 
@@ -90,8 +133,19 @@ def test_python_dash_m(tmp_path):
     out = str(tmp_path / "gen")
     main(["generate", out, "--sessions", "3", "--hours", "3"])
     env = dict(os.environ)
-    p = subprocess.run([sys.executable, "-m", "gpuhub.sim", "run", out, "--json"], capture_output=True, text=True, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpuhub.sim", "run", out, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["policy"] == "gpuhub"
-    p = subprocess.run([sys.executable, "-m", "gpuhub.sim", "run", str(tmp_path / "missing")], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpuhub.sim", "run", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert p.returncode == 2 and "not a directory" in p.stderr

@@ -5,7 +5,9 @@ from gpuhub.sim.trace import Session, Trace
 
 
 def T(*sessions):
-    return Trace([Session(sid, s, e, g, list(cells)) for sid, s, e, g, cells in sessions])
+    return Trace(
+        [Session(sid, s, e, g, list(cells)) for sid, s, e, g, cells in sessions]
+    )
 
 
 def run(trace, **kw):
@@ -13,7 +15,10 @@ def run(trace, **kw):
 
 
 def test_reservation_gpu_hours_exact():
-    tr = T(("a", 0, 3600, 2, [(0, 600, 2)]), ("b", 1800, 9000, 1, [(2000, 100, 1), (3000, 50, 0)]))
+    tr = T(
+        ("a", 0, 3600, 2, [(0, 600, 2)]),
+        ("b", 1800, 9000, 1, [(2000, 100, 1), (3000, 50, 0)]),
+    )
     r = run(tr, policy="reservation", nodes=2, gpus_per_node=2)
     assert r.gpu_hours_reserved == pytest.approx(2 * 1 + 1 * 2)
     assert r.gpu_hours_committed == pytest.approx(4.0)
@@ -43,14 +48,21 @@ def test_gpuhub_full_cluster_delay_equals_wait():
 
 def test_gpuhub_waits_for_any_replica_node():
     # 3 nodes x 1 GPU, R=3: three long cells fill the cluster; the fourth waits for the first to end
-    cells = [("s%d" % i, 0, 1000, 1, [(i, 100 + 10 * i, 1)]) for i in range(3)]
+    cells = [(f"s{i}", 0, 1000, 1, [(i, 100 + 10 * i, 1)]) for i in range(3)]
     tr = T(*cells, ("late", 0, 1000, 1, [(5, 10, 1)]))
     r = run(tr, policy="gpuhub", nodes=3, gpus_per_node=1, replicas=3)
-    assert sorted(r.delays) == [0.0, 0.0, 0.0, 95.0]  # s0's cell ends at 100, submitted at 5
+    assert sorted(r.delays) == [
+        0.0,
+        0.0,
+        0.0,
+        95.0,
+    ]  # s0's cell ends at 100, submitted at 5
 
 
 def test_gpuhub_cpu_cells_never_wait():
-    tr = T(("a", 0, 1000, 1, [(0, 500, 1)]), ("b", 0, 1000, 1, [(10, 5, 0), (20, 5, 1)]))
+    tr = T(
+        ("a", 0, 1000, 1, [(0, 500, 1)]), ("b", 0, 1000, 1, [(10, 5, 0), (20, 5, 1)])
+    )
     r = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
     assert sorted(r.delays) == [0.0, 0.0, 480.0]
 
@@ -65,7 +77,11 @@ def test_batch_delay_is_wait_plus_start_cost():
 
 def test_batch_fifo_head_blocks():
     # 2 GPUs: a holds 1 until 100; b wants 2 (waits); c wants 1 and could fit, but FIFO keeps it behind b
-    tr = T(("a", 0, 900, 1, [(0, 100, 1)]), ("b", 0, 900, 2, [(1, 10, 2)]), ("c", 0, 900, 1, [(2, 10, 1)]))
+    tr = T(
+        ("a", 0, 900, 1, [(0, 100, 1)]),
+        ("b", 0, 900, 2, [(1, 10, 2)]),
+        ("c", 0, 900, 1, [(2, 10, 1)]),
+    )
     r = run(tr, policy="batch", nodes=1, gpus_per_node=2, batch_start_cost_s=0.0)
     assert sorted(r.delays) == [0.0, 99.0, 108.0]
 
@@ -79,8 +95,12 @@ def test_cells_of_a_session_run_one_at_a_time():
 def test_closed_loop_keeps_think_time():
     # b's first cell waits 90 s for a's GPU; in closed loop b's second cell comes 20 s (the trace's think
     # time) after the first actually ended, so it does not wait; in open loop it queues behind the first
-    tr = T(("a", 0, 1000, 1, [(0, 100, 1)]), ("b", 0, 1000, 1, [(10, 10, 1), (40, 10, 1)]))
-    closed = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1, closed_loop=True)
+    tr = T(
+        ("a", 0, 1000, 1, [(0, 100, 1)]), ("b", 0, 1000, 1, [(10, 10, 1), (40, 10, 1)])
+    )
+    closed = run(
+        tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1, closed_loop=True
+    )
     opened = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
     assert sorted(closed.delays) == [0.0, 0.0, 90.0]
     assert sorted(opened.delays) == [0.0, 70.0, 90.0]
@@ -115,11 +135,18 @@ def test_errors():
 
 def test_autoscale_follows_demand_and_scales_in():
     # a burst of GPU work in the first hour, then only idle sessions
-    sessions = [("s%d" % i, 0, 20000, 8, [(0, 3000, 8)]) for i in range(6)]
-    sessions += [("late%d" % i, 10000, 20000, 1, [(10000, 60, 1)]) for i in range(2)]
+    sessions = [(f"s{i}", 0, 20000, 8, [(0, 3000, 8)]) for i in range(6)]
+    sessions += [(f"late{i}", 10000, 20000, 1, [(10000, 60, 1)]) for i in range(2)]
     tr = T(*sessions)
     fixed = run(tr, policy="batch", nodes=12, batch_start_cost_s=0.0)
-    auto = run(tr, policy="batch", nodes=12, autoscale=True, batch_start_cost_s=0.0, record_timeline=True)
+    auto = run(
+        tr,
+        policy="batch",
+        nodes=12,
+        autoscale=True,
+        batch_start_cost_s=0.0,
+        record_timeline=True,
+    )
     assert auto.peak_active_nodes <= 12 and auto.scale_outs > 0 and auto.scale_ins > 0
     assert auto.gpu_hours_provisioned < fixed.gpu_hours_provisioned
     assert auto.cells == fixed.cells == 8
@@ -134,5 +161,9 @@ def test_default_nodes_fit_the_reservation_peak():
 
 def test_percentile_nearest_rank():
     xs = list(range(1, 101))
-    assert percentile(xs, 50) == 50 and percentile(xs, 95) == 95 and percentile(xs, 100) == 100
+    assert (
+        percentile(xs, 50) == 50
+        and percentile(xs, 95) == 95
+        and percentile(xs, 100) == 100
+    )
     assert percentile([], 50) == 0.0

@@ -18,12 +18,20 @@ def traces(draw):
         length = draw(st.integers(0, 2000))
         gpus = draw(st.sampled_from([0, 1, 2, 4]))
         k = draw(st.integers(0, 6))
-        submits = sorted(draw(st.lists(st.integers(start, start + length), min_size=k, max_size=k)))
+        submits = sorted(
+            draw(st.lists(st.integers(start, start + length), min_size=k, max_size=k))
+        )
         cells = [
-            (float(t), float(draw(st.integers(0, 600))), draw(st.sampled_from(sorted({0, gpus}))))
+            (
+                float(t),
+                float(draw(st.integers(0, 600))),
+                draw(st.sampled_from(sorted({0, gpus}))),
+            )
             for t in submits
         ]
-        sessions.append(Session(f"s{i}", float(start), float(start + length), gpus, cells))
+        sessions.append(
+            Session(f"s{i}", float(start), float(start + length), gpus, cells)
+        )
     return Trace(sessions)
 
 
@@ -54,9 +62,14 @@ def test_invariants(trace, cfg):
     # GPU-hours: busy <= committed <= provisioned; saved <= reserved - busy
     assert r.gpu_hours_busy <= r.gpu_hours_committed + eps
     assert r.gpu_hours_committed <= r.gpu_hours_provisioned + eps
-    assert r.gpu_hours_saved_vs_reservation <= r.gpu_hours_reserved - r.gpu_hours_busy + eps
+    assert (
+        r.gpu_hours_saved_vs_reservation
+        <= r.gpu_hours_reserved - r.gpu_hours_busy + eps
+    )
     assert 0.0 <= r.frac_started_within_1s <= r.frac_started_within_10s <= 1.0
     assert r.delay_p50_s <= r.delay_p95_s <= r.delay_p99_s <= r.delay_max_s
     if cfg["policy"] == "gpuhub":
-        assert abs(r.gpu_hours_committed - r.gpu_hours_busy) < 1e-6  # GPUs held only while cells run
+        assert (
+            abs(r.gpu_hours_committed - r.gpu_hours_busy) < 1e-6
+        )  # GPUs held only while cells run
     assert r.migrations == 0

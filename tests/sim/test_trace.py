@@ -63,9 +63,14 @@ def test_missing_files(tmp_path):
 
 
 def test_write_then_load_round_trip(tmp_path):
-    tr = Trace([Session("s1", 0.0, 100.5, 1, [(1.25, 2.5, 1), (10.0, 3.0, 0)]), Session("s2", 3.0, 4.0, 0, [])])
+    tr = Trace(
+        [
+            Session("s1", 0.0, 100.5, 1, [(1.25, 2.5, 1), (10.0, 3.0, 0)]),
+            Session("s2", 3.0, 4.0, 0, []),
+        ]
+    )
     write_trace(tr, str(tmp_path / "t"))
     back = load_trace(str(tmp_path / "t"))
-    assert [(s.session_id, s.start_s, s.end_s, s.gpus, s.cells) for s in back.sessions] == [
-        (s.session_id, s.start_s, s.end_s, s.gpus, s.cells) for s in tr.sessions
-    ]
+    assert [
+        (s.session_id, s.start_s, s.end_s, s.gpus, s.cells) for s in back.sessions
+    ] == [(s.session_id, s.start_s, s.end_s, s.gpus, s.cells) for s in tr.sessions]
