@@ -229,3 +229,42 @@ def test_grafana_ini_has_no_default_password():
     assert ini["security"]["secret_key"].startswith("$__file{")
     assert ini["auth.anonymous"]["enabled"] == "false"
     assert ini["analytics"]["check_for_updates"] == "false"
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def _render_args(role: str, template: str, **overrides) -> list[str]:
+    import shlex
+
+    import jinja2
+
+    defaults = yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text())
+    defaults = {k: v for k, v in defaults.items() if not (isinstance(v, str) and "{{" in v)}
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    text = env.from_string((REPO / "roles" / role / "templates" / template).read_text()).render(
+        ansible_managed="Ansible managed", **{**defaults, **overrides})
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("ARGS=")]
+    # systemd splits $ARGS at whitespace, without shell quoting
+    return shlex.split(line)[0].removeprefix("ARGS=").split()
+
+
+@pytest.mark.parametrize("size", ["0", "50GB"])
+def test_prometheus_command_line_flags_exist(prometheus_bins, tmp_path, size):
+    args = _render_args("prometheus", "prometheus.default.j2", prometheus_retention_size=size)
+    assert "--storage.tsdb.retention.time=30d" in args
+    assert any(a.startswith("--storage.tsdb.retention.size") for a in args) == (size != "0")
+    # unknown flags make Prometheus exit 1 before it looks at anything else
+    r = subprocess.run([prometheus_bins.prometheus, *args, "--version"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_node_exporter_command_line_flags_exist():
+    import shutil
+
+    exe = shutil.which("prometheus-node-exporter")
+    if not exe:
+        pytest.skip("prometheus-node-exporter is not installed here (apt-get install prometheus-node-exporter)")
+    args = _render_args("node_exporter", "prometheus-node-exporter.default.j2")
+    r = subprocess.run([exe, *args, "--version"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
