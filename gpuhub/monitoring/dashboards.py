@@ -26,12 +26,12 @@ from typing import Any
 # the SDK nudges towards its v2 schema on import.
 warnings.filterwarnings("ignore", message="Prefer using dashboardv2", category=DeprecationWarning)
 
-from grafana_foundation_sdk.builders import common as common_b  # noqa: E402
-from grafana_foundation_sdk.builders import dashboard as dash  # noqa: E402
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries  # noqa: E402
-from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
-from grafana_foundation_sdk.models import common  # noqa: E402
-from grafana_foundation_sdk.models import dashboard as dash_m  # noqa: E402
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dash_m
 
 #: Default output: the grafana role's files (this file is gpuhub/monitoring/dashboards.py).
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[2] / "roles" / "grafana" / "files" / "dashboards"
@@ -223,9 +223,11 @@ def cluster_gpus() -> dash.Dashboard:
     d = d.with_panel(ts(
         "Refused share of lease requests",
         [(
-            f"sum(rate(gpuhub_agent_leases_refused_total{{{NODE}}}[$__rate_interval])) / "
-            f"(sum(rate(gpuhub_agent_leases_granted_total{{{NODE}}}[$__rate_interval])) + "
-            f"sum(rate(gpuhub_agent_leases_refused_total{{{NODE}}}[$__rate_interval])) > 0)",
+            (
+                f"sum(rate(gpuhub_agent_leases_refused_total{{{NODE}}}[$__rate_interval])) / "
+                f"(sum(rate(gpuhub_agent_leases_granted_total{{{NODE}}}[$__rate_interval])) + "
+                f"sum(rate(gpuhub_agent_leases_refused_total{{{NODE}}}[$__rate_interval])) > 0)"
+            ),
             "refused",
         )],
         unit="percentunit", w=8, max_val=1,

@@ -21,11 +21,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 
@@ -51,10 +51,10 @@ def _install_prometheus() -> str | None:
         return "prometheus is not installed and there is no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        subprocess.run(["apt-get", "update"], check=False, env=env, capture_output=True, timeout=600)
+        r = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         return f"apt-get install prometheus failed: {r.stderr.strip()[-500:]}"
     return None
@@ -89,7 +89,7 @@ class Exporter:
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if urllib.parse.urlsplit(self.path).path != exporter.path:
                     self.send_error(404)
                     return
@@ -161,7 +161,7 @@ def _scheduler_body() -> Callable[[], bytes]:
 
     from gpuhub.scheduler.api import SchedulerCollector
 
-    view = lambda g, p, c: SimpleNamespace(schedulable=True, gpu_count=g, pending=p, committed=c)  # noqa: E731
+    view = lambda g, p, c: SimpleNamespace(schedulable=True, gpu_count=g, pending=p, committed=c)
     sched = SimpleNamespace(
         node_views=lambda: [view(4, 6, 1), view(2, 3, 1)],
         nodes={"gpu1": 1, "gpu2": 2, "hub1": 3},
@@ -181,9 +181,8 @@ def _scheduler_body() -> Callable[[], bytes]:
 
 def _jupyterhub_body() -> Callable[[], bytes]:
     """JupyterHub's own metric objects (jupyterhub.metrics), so names match the real hub."""
-    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-
     from jupyterhub import metrics as jm
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
     reg = CollectorRegistry(auto_describe=False)
     # Same names, label names and buckets as the hub's metrics, in a registry of our own.
@@ -258,14 +257,14 @@ def run_role_config(tmp: Path, inventory: str, extra_vars: dict) -> Path:
         "        name: prometheus\n"
         "        tasks_from: config.yml\n"
     )
-    (tmp / "ansible.cfg").write_text("[defaults]\nroles_path = %s\nretry_files_enabled = false\n" % ROLES)
+    (tmp / "ansible.cfg").write_text(f"[defaults]\nroles_path = {ROLES}\nretry_files_enabled = false\n")
     env = dict(os.environ, ANSIBLE_CONFIG=str(tmp / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-local"), ANSIBLE_REMOTE_TEMP=str(tmp / "ansible-remote"))
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     r = subprocess.run(
         [str(VENV_BIN / "ansible-playbook"), "-i", str(tmp / "inventory.ini"), "-e", f"@{tmp / 'vars.json'}",
          str(tmp / "render.yml")],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp, env=env, check=False, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, f"rendering the prometheus role failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
     return out
@@ -351,10 +350,11 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
         },
     )
     data = tmp / "data"
+    log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (lives as long as the process)
     proc = subprocess.Popen(
         [prometheus_bins.prometheus, f"--config.file={config_dir / 'prometheus.yml'}",
          f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={data}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "wb"),
+        stdout=subprocess.DEVNULL, stderr=log,
     )
     stack = Stack(f"http://127.0.0.1:{port}", config_dir, exporters, proc)
     try:
@@ -381,5 +381,6 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
         for e in exporters.values():
             e.stop()
