@@ -1,0 +1,287 @@
+#!/usr/bin/env bash
+# A local multi-host gpuhub cluster: Debian 12 containers with systemd as PID 1 (shared/TESTBED.md).
+#
+#   scripts/cluster.sh up NAME       build/reuse the image, start hub + gpu1..3, write the inventory
+#   scripts/cluster.sh deploy NAME   ansible-playbook site.yml against it
+#   scripts/cluster.sh info NAME     the hub URL, the users and their generated passwords
+#   scripts/cluster.sh down NAME     remove its containers, network and generated files
+#   scripts/cluster.sh inventory NAME   print the inventory path (for tests and molecule)
+#
+# Hosts: `hub1` (hub + notebook host + monitoring) and `gpu1`..`gpu3` (2 fake GPUs each).
+# Every podman resource is named gpuhub-NAME-*; traffic goes only to the containers' own addresses.
+# Generated files live under .cache/NAME/ (ssh key, inventory, credentials).
+# Environment: GPUHUB_GPU_NODES (default 3), GPUHUB_FAKE_GPUS (per node, default 2),
+# GPUHUB_ANSIBLE_ARGS (extra ansible-playbook arguments for deploy).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE="$ROOT/.cache"
+export CONTAINERS_CONF="$ROOT/scripts/containers.conf"
+
+# --- the image recipe: any change here gives a new image tag ---------------------------------------
+SUITE=bookworm
+MIRROR=${GPUHUB_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+INCLUDE=systemd,systemd-sysv,dbus,python3,openssh-server,sudo,iproute2,ca-certificates
+RECIPE_VERSION=2 # bump when image_build changes what it puts into the image
+RECIPE_HASH=$(printf '%s\n' "$SUITE" "$MIRROR" "$INCLUDE" "$RECIPE_VERSION" | sha256sum | cut -c1-12)
+IMAGE="localhost/gpuhub-debian:$SUITE-$RECIPE_HASH"
+
+GPU_NODES=${GPUHUB_GPU_NODES:-3}
+FAKE_GPUS=${GPUHUB_FAKE_GPUS:-2}
+
+log() { printf '\033[1m[cluster %s]\033[0m %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+usage() {
+  sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+check_name() {
+  [[ "$1" =~ ^[a-z][a-z0-9]{0,15}$ ]] || die "cluster name must match [a-z][a-z0-9]{0,15}: '$1'"
+}
+
+# The hub's inventory name is hub1: a host called "hub" would clash with the group "hub".
+HUB=hub1
+
+hosts() {
+  echo "$HUB"
+  local i
+  for ((i = 1; i <= GPU_NODES; i++)); do echo "gpu$i"; done
+}
+
+ctr() { echo "gpuhub-$NAME-$1"; }
+net() { echo "gpuhub-$NAME"; }
+
+ip_of() {
+  podman inspect "$(ctr "$1")" --format "{{(index .NetworkSettings.Networks \"$(net)\").IPAddress}}"
+}
+
+# --- image ------------------------------------------------------------------------------------------
+image_build() {
+  if podman image exists "$IMAGE"; then
+    log "image $IMAGE is cached"
+    return
+  fi
+  local work="$CACHE/image" rootfs
+  rootfs="$work/rootfs-$RECIPE_HASH"
+  mkdir -p "$work"
+  rm -rf "$rootfs"
+  log "building $IMAGE with debootstrap ($SUITE, about a minute)"
+  local started=$SECONDS
+  debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$rootfs" "$MIRROR" \
+    >"$work/debootstrap.log" 2>&1 || {
+    tail -n 30 "$work/debootstrap.log" >&2
+    die "debootstrap failed (log: $work/debootstrap.log)"
+  }
+  # A machine id per container (systemd makes one at boot when the file is empty); no package caches.
+  : >"$rootfs/etc/machine-id"
+  rm -f "$rootfs/var/lib/dbus/machine-id"
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
+  # Nothing in the containers needs the console gettys.
+  rm -f "$rootfs/etc/systemd/system/getty.target.wants/"*
+  tar --numeric-owner -C "$rootfs" -c . | podman import --quiet - "$IMAGE" >/dev/null
+  rm -rf "$rootfs"
+  # Old images of earlier recipes.
+  podman images --format '{{.Repository}}:{{.Tag}}' | grep '^localhost/gpuhub-debian:' |
+    grep -v ":$SUITE-$RECIPE_HASH\$" | xargs -r podman rmi -f >/dev/null 2>&1 || true
+  log "image built in $((SECONDS - started)) s"
+}
+
+# --- apt cache: debs are downloaded once per machine ------------------------------------------------
+# Each container gets its own /var/cache/apt/archives (apt locks that directory, so containers
+# installing at the same time cannot share one); a pool of hard links seeds it and collects
+# what the hosts downloaded. apt checks every deb's hash against its lists, so a stale one is
+# simply downloaded again.
+APT_POOL="$CACHE/apt-pool"
+
+apt_seed() {
+  local h=$1 dir="$CACHE/$NAME/apt/$1"
+  mkdir -p "$dir/partial" "$APT_POOL"
+  find "$APT_POOL" -maxdepth 1 -name '*.deb' -exec ln -f -t "$dir" {} + 2>/dev/null || true
+}
+
+apt_collect() {
+  [ -d "$CACHE/$NAME/apt" ] || return 0
+  mkdir -p "$APT_POOL"
+  find "$CACHE/$NAME/apt" -mindepth 2 -maxdepth 2 -name '*.deb' -exec ln -f -t "$APT_POOL" {} + 2>/dev/null || true
+}
+
+# --- up ---------------------------------------------------------------------------------------------
+wait_systemd() {
+  local h=$1 state i
+  for ((i = 0; i < 120; i++)); do
+    state=$(podman exec "$(ctr "$h")" systemctl is-system-running 2>/dev/null || true)
+    case "$state" in
+      running | degraded) return 0 ;;
+    esac
+    sleep 0.5
+  done
+  die "$h: systemd did not come up (state: ${state:-none})"
+}
+
+cmd_up() {
+  image_build
+  local dir="$CACHE/$NAME"
+  mkdir -p "$dir/ssh" "$dir/inventory/group_vars" "$dir/inventory/host_vars"
+  [ -f "$dir/ssh/id_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -C "gpuhub-$NAME" -f "$dir/ssh/id_ed25519"
+  podman network exists "$(net)" || podman network create "$(net)" >/dev/null
+
+  local h c
+  for h in $(hosts); do
+    c=$(ctr "$h")
+    if podman container exists "$c"; then
+      [ "$(podman inspect "$c" --format '{{.State.Running}}')" = true ] || podman start "$c" >/dev/null
+      log "$h: running ($c)"
+      continue
+    fi
+    apt_seed "$h"
+    # SYS_ADMIN lets systemd inside set up the mount namespaces of hardened units
+    # (ProtectSystem=, PrivateTmp=) as it does on bare metal.
+    podman run -d --name "$c" --hostname "$h" --network "$(net)" --systemd=always \
+      --cap-add SYS_ADMIN \
+      --label "gpuhub.cluster=$NAME" \
+      -v "$dir/apt/$h:/var/cache/apt/archives:Z" \
+      "$IMAGE" /sbin/init >/dev/null
+    log "$h: started ($c)"
+  done
+  local pub
+  pub=$(cat "$dir/ssh/id_ed25519.pub")
+  for h in $(hosts); do
+    wait_systemd "$h"
+    podman exec -i "$(ctr "$h")" sh -c 'umask 077; mkdir -p /root/.ssh; cat > /root/.ssh/authorized_keys' <<<"$pub"
+  done
+  write_inventory
+  log "cluster $NAME is up: inventory $dir/inventory"
+}
+
+write_inventory() {
+  local dir="$CACHE/$NAME/inventory" h ip
+  {
+    echo "# Generated by scripts/cluster.sh for the local cluster '$NAME'. Do not edit."
+    echo "all:"
+    echo "  vars:"
+    echo "    ansible_user: root"
+    echo "    ansible_ssh_private_key_file: $CACHE/$NAME/ssh/id_ed25519"
+    echo "    # Test containers only: their host keys are throwaway."
+    echo "    ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+    echo "    gpuhub_test_cluster: $NAME"
+    echo "  hosts:"
+    for h in $(hosts); do
+      ip=$(ip_of "$h")
+      [ -n "$ip" ] || die "$h has no address on $(net)"
+      echo "    $h:"
+      echo "      ansible_host: $ip"
+      echo "      gpuhub_container: $(ctr "$h")"
+    done
+    echo "  children:"
+    echo "    hub:"
+    echo "      hosts:"
+    echo "        $HUB:"
+    echo "    notebook_hosts:"
+    echo "      hosts:"
+    echo "        $HUB:"
+    echo "    monitoring:"
+    echo "      hosts:"
+    echo "        $HUB:"
+    echo "    gpu_nodes:"
+    echo "      hosts:"
+    for h in $(hosts); do
+      [ "$h" = "$HUB" ] || echo "        $h:"
+    done
+  } >"$dir/hosts.yml"
+  {
+    echo "# Generated by scripts/cluster.sh: the test cluster's settings (see inventory/example for all)."
+    echo "gpuhub_users:"
+    echo "  - {name: alice, uid: 2001}"
+    echo "  - {name: bob, uid: 2002}"
+    echo "  - {name: carol, uid: 2003}"
+    echo "gpuhub_hub_admin_users: [alice]"
+    echo "gpuhub_profiles:"
+    echo "  - {name: cpu, display: CPU only, gpus: 0}"
+    echo "  - {name: gpu1, display: 1 GPU, gpus: 1}"
+    echo "  - {name: gpu2, display: 2 GPUs, gpus: 2}"
+    echo "gpuhub_hub_tls_san: [\"IP:$(ip_of "$HUB")\", \"DNS:hub\", \"IP:127.0.0.1\"]"
+    echo "# Containers are small: keep the limits modest."
+    echo "gpuhub_agent_kernel_memory_max: 2G"
+    echo "gpuhub_agent_server_memory_max: 2G"
+    echo "# Grafana is in no registry the containers may reach: provisioning files only (roles/grafana)."
+    echo "grafana_install_package: false"
+    echo "grafana_manage_repo: false"
+  } >"$dir/group_vars/all.yml"
+  {
+    echo "# Generated by scripts/cluster.sh: $FAKE_GPUS fake GPUs per node (DESIGN D8)."
+    echo "gpuhub_fake_gpus:"
+    local i
+    for ((i = 0; i < FAKE_GPUS; i++)); do
+      echo "  - {name: Fake A100 40GB, memory_mib: 40960}"
+    done
+  } >"$dir/group_vars/gpu_nodes.yml"
+}
+
+# --- deploy -----------------------------------------------------------------------------------------
+cmd_deploy() {
+  local inv="$CACHE/$NAME/inventory"
+  [ -f "$inv/hosts.yml" ] || die "no cluster '$NAME': run scripts/cluster.sh up $NAME first"
+  local ap="$ROOT/.venv/bin/ansible-playbook"
+  [ -x "$ap" ] || ap=ansible-playbook
+  log "deploying site.yml to '$NAME' (a cold run downloads debs and builds the wheelhouse: minutes)"
+  local started=$SECONDS rc=0
+  # shellcheck disable=SC2086
+  (cd "$ROOT" && ANSIBLE_CONFIG="$ROOT/ansible.cfg" "$ap" -i "$inv/hosts.yml" site.yml ${GPUHUB_ANSIBLE_ARGS:-}) || rc=$?
+  apt_collect
+  [ $rc -eq 0 ] || die "deploy failed (rc=$rc)"
+  log "deployed in $((SECONDS - started)) s"
+}
+
+# --- info -------------------------------------------------------------------------------------------
+cmd_info() {
+  local inv="$CACHE/$NAME/inventory"
+  [ -f "$inv/hosts.yml" ] || die "no cluster '$NAME'"
+  local hub
+  hub=$(ip_of "$HUB")
+  echo
+  echo "gpuhub cluster '$NAME'"
+  echo "  JupyterHub:  https://$hub/   (self-signed certificate)"
+  echo "  Prometheus:  http://$hub:9090/"
+  echo "  Grafana:     http://$hub:3000/   (if the grafana package could be installed)"
+  echo "  hosts:      " "$(for h in $(hosts); do printf '%s=%s ' "$h" "$(ip_of "$h")"; done)"
+  echo "  users (password files under $inv/credentials/users/):"
+  local f
+  for f in "$inv"/credentials/users/*; do
+    [ -f "$f" ] || continue
+    printf '    %-8s %s\n' "$(basename "$f")" "$(head -n1 "$f" | cut -d' ' -f1)"
+  done
+  echo "  ssh:         ssh -i $CACHE/$NAME/ssh/id_ed25519 root@$hub   (or: podman exec -it $(ctr "$HUB") bash)"
+  echo "  stop:        scripts/cluster.sh down $NAME"
+}
+
+# --- down -------------------------------------------------------------------------------------------
+cmd_down() {
+  apt_collect
+  local c ours=()
+  for c in $(podman ps -a --filter "label=gpuhub.cluster=$NAME" --format '{{.Names}}'); do
+    [[ "$c" == gpuhub-"$NAME"-* ]] && ours+=("$c")
+  done
+  if [ ${#ours[@]} -gt 0 ]; then
+    podman rm -f -t 1 "${ours[@]}" >/dev/null
+    log "removed ${ours[*]}"
+  fi
+  if podman network exists "$(net)"; then podman network rm "$(net)" >/dev/null; fi
+  rm -rf "${CACHE:?}/$NAME"
+  log "cluster $NAME is down"
+}
+
+[ $# -ge 1 ] || usage
+CMD=$1
+NAME=${2:-dev}
+check_name "$NAME"
+case "$CMD" in
+  up) cmd_up ;;
+  deploy) cmd_deploy ;;
+  info) cmd_info ;;
+  down) cmd_down ;;
+  inventory) echo "$CACHE/$NAME/inventory" ;;
+  image) image_build ;;
+  *) usage ;;
+esac
