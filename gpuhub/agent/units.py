@@ -104,8 +104,16 @@ class SystemdRunner:
             raise UnitError(f"{argv[0]} {argv[1]} failed: {err.decode().strip() or out.decode().strip()}")
         return out.decode()
 
+    def _traversable_units_dir(self) -> None:
+        # Users must pass through to their own unit directory; the daemon's umask (0077) would
+        # otherwise make these 0700. Listing stays root-only (0711).
+        for d in (self.runtime_dir, self.runtime_dir / "units"):
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o711)
+
     async def start(self, spec: UnitSpec) -> UnitStatus:
         pw = lookup_user(spec.user, self.min_uid)
+        self._traversable_units_dir()
         udir = self.unit_dir(spec.name)
         udir.mkdir(parents=True, exist_ok=True)
         os.chown(udir, pw.pw_uid, pw.pw_gid)
