@@ -1,0 +1,99 @@
+"""Fixtures for the end-to-end tests against a running local cluster (scripts/cluster.sh).
+
+The cluster is chosen by GPUHUB_CLUSTER (default: the first of ``ci``, ``demo``, ``dev`` that has a
+generated inventory under .cache/). Without one, the cluster tests skip and say how to start one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERS_CONF = ROOT / "scripts" / "containers.conf"
+
+
+
+@dataclass
+class Cluster:
+    name: str
+    inventory_dir: Path
+    hosts: dict[str, str]  # inventory name -> address
+    containers: dict[str, str]  # inventory name -> podman container
+    groups: dict[str, list[str]]
+    agent_token: str = field(repr=False)
+    passwords: dict[str, str] = field(default_factory=dict, repr=False)
+    ca_file: str = ""  # the hub's (self-signed) certificate: HTTPS is verified against it
+
+    @property
+    def hub(self) -> str:
+        return self.hosts[self.groups["hub"][0]]
+
+    @property
+    def hub_url(self) -> str:
+        return f"https://{self.hub}"
+
+    def agent_url(self, node: str) -> str:
+        return f"http://{self.hosts[node]}:8601"
+
+    def exec(self, node: str, *argv: str, check: bool = True) -> str:
+        """Run a command inside a cluster host (as root), like an admin on its console."""
+        env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
+        proc = subprocess.run(
+            ["podman", "exec", self.containers[node], *argv], capture_output=True, text=True, env=env, timeout=60
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{node}: {' '.join(argv)} failed: {proc.stderr or proc.stdout}")
+        return proc.stdout
+
+
+def _find_cluster() -> Path | None:
+    wanted = os.environ.get("GPUHUB_CLUSTER")
+    names = [wanted] if wanted else ["ci", "demo", "dev"]
+    for name in names:
+        inv = ROOT / ".cache" / name / "inventory"
+        if (inv / "hosts.yml").is_file() and (inv / "credentials" / "agent.token").is_file():
+            return inv
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    inv = _find_cluster()
+    if inv is None:
+        pytest.skip(
+            "no deployed cluster: run `scripts/cluster.sh up NAME && scripts/cluster.sh deploy NAME` "
+            "(or `make test-cluster`) and set GPUHUB_CLUSTER=NAME"
+        )
+    data = yaml.safe_load((inv / "hosts.yml").read_text())["all"]
+    hosts = {h: v["ansible_host"] for h, v in data["hosts"].items()}
+    containers = {h: v["gpuhub_container"] for h, v in data["hosts"].items()}
+    groups = {g: list((v or {}).get("hosts", {}) or {}) for g, v in data.get("children", {}).items()}
+    creds = inv / "credentials"
+    passwords = {p.name: p.read_text().split()[0] for p in sorted((creds / "users").glob("*"))}
+    c = Cluster(
+        name=inv.parent.name,
+        inventory_dir=inv,
+        hosts=hosts,
+        containers=containers,
+        groups=groups,
+        agent_token=(creds / "agent.token").read_text().strip(),
+        passwords=passwords,
+    )
+    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
+    running = subprocess.run(
+        ["podman", "ps", "--format", "{{.Names}}"], capture_output=True, text=True, env=env
+    ).stdout.split()
+    missing = [ctr for ctr in containers.values() if ctr not in running]
+    if missing:
+        pytest.skip(f"cluster {c.name} is not running ({', '.join(missing)} down): scripts/cluster.sh up {c.name}")
+    ca = tmp_path_factory.mktemp("tls") / "hub.crt"
+    ca.write_text(c.exec(c.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt"))
+    c.ca_file = str(ca)
+    return c
+

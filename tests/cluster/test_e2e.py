@@ -1,0 +1,306 @@
+"""End to end, as a user and an admin would see it: JupyterHub login over HTTPS, a 1-GPU server,
+a gpuhub kernel driven over the kernel websocket, the agents' books, systemd, and Prometheus.
+
+Needs a deployed local cluster (scripts/cluster.sh up/deploy NAME; GPUHUB_CLUSTER=NAME).
+Traffic goes only to the cluster containers' own addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import threading
+import time
+import uuid
+
+import pytest
+import requests
+import websocket
+
+pytestmark = pytest.mark.cluster
+
+SPAWN_TIMEOUT_S = 180
+KERNEL_TIMEOUT_S = 180
+
+
+def http_session(cluster) -> requests.Session:
+    """Straight to the cluster's own addresses (no proxies from the environment); HTTPS verified
+    against the hub's certificate (the environment's CA bundle variables would override it)."""
+    s = requests.Session()
+    s.trust_env = False
+    s.verify = cluster.ca_file
+    return s
+
+
+class HubUser:
+    """One user of the hub, with a browser-like session (cookies, _xsrf) and an API token."""
+
+    def __init__(self, cluster, name: str):
+        self.cluster, self.name = cluster, name
+        self.base = cluster.hub_url
+        self.s = http_session(cluster)
+        self.token: str | None = None
+
+    # --- login through the form, like a browser ---------------------------------------------------
+    def login(self) -> None:
+        page = self.s.get(f"{self.base}/hub/login", timeout=30)
+        assert page.status_code == 200, page.text[:500]
+        m = re.search(r'name="_xsrf"\s+value="([^"]+)"', page.text)
+        xsrf = m.group(1) if m else self.s.cookies.get("_xsrf", "")
+        r = self.s.post(
+            f"{self.base}/hub/login",
+            data={"username": self.name, "password": self.cluster.passwords[self.name], "_xsrf": xsrf},
+            allow_redirects=False,
+            timeout=30,
+        )
+        assert r.status_code in (302, 303), f"login as {self.name} failed: {r.status_code} {r.text[:500]}"
+        # An API token for the rest (the hub and the user's server accept it).
+        r = self.s.post(
+            f"{self.base}/hub/api/users/{self.name}/tokens",
+            json={"note": "gpuhub e2e test", "expires_in": 3600},
+            headers={"X-XSRFToken": self.s.cookies.get("_xsrf", xsrf), "Referer": f"{self.base}/hub/"},
+            timeout=30,
+        )
+        assert r.status_code in (200, 201), f"token for {self.name}: {r.status_code} {r.text[:500]}"
+        self.token = r.json()["token"]
+
+    def api(self, method: str, path: str, **kw) -> requests.Response:
+        headers = {"Authorization": f"token {self.token}"}
+        return self.s.request(method, f"{self.base}{path}", headers=headers, timeout=60, **kw)
+
+    # --- the user's server ------------------------------------------------------------------------
+    def start_server(self, profile: str) -> None:
+        user = self.api("GET", f"/hub/api/users/{self.name}").json()
+        if user.get("servers", {}).get("", {}).get("ready"):
+            self.stop_server()
+        r = self.api("POST", f"/hub/api/users/{self.name}/server", json={"profile": profile})
+        assert r.status_code in (201, 202), f"spawn for {self.name}: {r.status_code} {r.text[:500]}"
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            server = self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}).get("")
+            if server and server.get("ready"):
+                return
+            if not server:
+                pytest.fail(f"{self.name}'s server stopped while starting (see journalctl -u jupyterhub)")
+            time.sleep(1)
+        pytest.fail(f"{self.name}'s server was not ready after {SPAWN_TIMEOUT_S} s")
+
+    def stop_server(self) -> None:
+        self.api("DELETE", f"/hub/api/users/{self.name}/server")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if "" not in self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}):
+                return
+            time.sleep(1)
+
+    def start_kernel(self, kernelspec: str) -> str:
+        r = self.api("POST", f"/user/{self.name}/api/kernels", json={"name": kernelspec})
+        assert r.status_code == 201, f"kernel {kernelspec} for {self.name}: {r.status_code} {r.text[:800]}"
+        return r.json()["id"]
+
+    def kernel(self, kernel_id: str) -> "KernelChannel":
+        return KernelChannel(self, kernel_id)
+
+
+class KernelChannel:
+    """The Jupyter kernel websocket (/api/kernels/<id>/channels), as JupyterLab uses it."""
+
+    def __init__(self, user: HubUser, kernel_id: str):
+        url = f"wss://{user.cluster.hub}/user/{user.name}/api/kernels/{kernel_id}/channels"
+        self.ws = websocket.create_connection(
+            url,
+            header=[f"Authorization: token {user.token}"],
+            sslopt={"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": user.cluster.ca_file},
+            timeout=KERNEL_TIMEOUT_S,
+            http_no_proxy=[user.cluster.hub],
+        )
+        self.session = uuid.uuid4().hex
+
+    def close(self) -> None:
+        self.ws.close()
+
+    def send_execute(self, code: str) -> str:
+        msg_id = uuid.uuid4().hex
+        self.ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "username": "e2e", "session": self.session, "msg_type": "execute_request",
+                       "version": "5.3", "date": ""},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                        "allow_stdin": False, "stop_on_error": True},
+        }))
+        return msg_id
+
+    def collect(self, msg_id: str, timeout: float = KERNEL_TIMEOUT_S) -> dict:
+        """Outputs of one request until its execute_reply and the kernel is idle again."""
+        out = {"stdout": "", "stderr": "", "reply": None, "statuses": [], "other": []}
+        idle = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not (out["reply"] and idle):
+            self.ws.settimeout(max(1.0, deadline - time.monotonic()))
+            msg = json.loads(self.ws.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["header"]["msg_type"], msg.get("content", {})
+            if kind == "stream":
+                out[content.get("name", "stdout")] += content.get("text", "")
+            elif kind == "execute_reply":
+                out["reply"] = content
+            elif kind == "status":
+                out["statuses"].append(content.get("execution_state"))
+                idle = content.get("execution_state") == "idle"
+            elif kind == "error":
+                out["stderr"] += "\n".join(content.get("traceback", []))
+            else:
+                out["other"].append(msg)
+        assert out["reply"] is not None, f"no execute_reply within {timeout} s: {out}"
+        return out
+
+    def run(self, code: str, timeout: float = KERNEL_TIMEOUT_S) -> dict:
+        out = self.collect(self.send_execute(code), timeout)
+        assert out["reply"].get("status") == "ok", f"cell failed: {out['stderr'] or out['reply']}"
+        return out
+
+
+WHERE = "import os, socket; print(socket.gethostname(), os.environ.get('CUDA_VISIBLE_DEVICES', ''), flush=True)"
+
+
+def node_info(cluster, node: str) -> dict:
+    r = http_session(cluster).get(f"{cluster.agent_url(node)}/api/v1/node",
+                     headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+@pytest.fixture(scope="module")
+def alice(cluster):
+    user = HubUser(cluster, "alice")
+    user.login()
+    user.start_server("gpu1")
+    yield user
+    user.stop_server()
+
+
+@pytest.fixture(scope="module")
+def alice_kernel(alice):
+    kid = alice.start_kernel("gpuhub-gpu1")
+    channel = alice.kernel(kid)
+    yield kid, channel
+    channel.close()
+    alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
+
+
+def test_login_page_is_served_over_https(cluster):
+    r = http_session(cluster).get(f"{cluster.hub_url}/hub/login", timeout=30)
+    assert r.status_code == 200 and "JupyterHub" in r.text
+
+
+def test_wrong_password_is_refused(cluster):
+    s = http_session(cluster)
+    page = s.get(f"{cluster.hub_url}/hub/login", timeout=30)
+    m = re.search(r'name="_xsrf"\s+value="([^"]+)"', page.text)
+    r = s.post(f"{cluster.hub_url}/hub/login", allow_redirects=False, timeout=30,
+               data={"username": "alice", "password": "not-the-password", "_xsrf": m.group(1) if m else ""})
+    assert r.status_code not in (302, 303)
+
+
+def test_cell_sees_exactly_a_fake_gpu_of_its_node(cluster, alice_kernel):
+    _, channel = alice_kernel
+    out = channel.run(WHERE)
+    host, visible = out["stdout"].split()[:2]
+    assert host in cluster.groups["gpu_nodes"], f"kernel ran on {host}, not a GPU node"
+    uuids = {g["uuid"] for g in node_info(cluster, host)["gpus"]}
+    assert visible in uuids, f"CUDA_VISIBLE_DEVICES={visible!r} is not one of {host}'s GPUs {sorted(uuids)}"
+
+
+def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):
+    _, channel = alice_kernel
+    host = channel.run(WHERE)["stdout"].split()[0]
+    assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU still committed after the cell"
+
+    msg_id = channel.send_execute(WHERE + "\nimport time; time.sleep(5)")
+    busy = wait_for(lambda: (n := node_info(cluster, host))["committed"] >= 1 and n, 5)
+    assert busy, f"{host}'s agent never reported a committed GPU while the cell slept"
+    out = channel.collect(msg_id)
+    assert out["reply"]["status"] == "ok"
+    visible = out["stdout"].split()[1]
+    by_index = {g["index"]: g["uuid"] for g in busy["gpus"]}
+    leased = {by_index[g] if isinstance(g, int) else g.get("uuid", by_index.get(g.get("index")))
+              for lease in busy["leases"] for g in lease.get("gpus", [])}
+    assert visible in leased, f"the cell saw {visible}, but the agent's leases were {busy['leases']}"
+    assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU not released after the cell"
+
+
+def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
+    kid, channel = alice_kernel
+    host = channel.run(WHERE)["stdout"].split()[0]
+    r = http_session(cluster).get(f"{cluster.agent_url(host)}/api/v1/units",
+                     headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)
+    r.raise_for_status()
+    units = [u for u in r.json()["units"] if u.get("kind") == "kernel" and u.get("user") == "alice"]
+    assert units, f"{host}'s agent lists no kernel unit of alice: {r.json()}"
+    for unit in units:
+        props = dict(
+            line.split("=", 1)
+            for line in cluster.exec(host, "systemctl", "show", unit["name"], "-p", "User,ActiveState,MainPID")
+            .splitlines() if "=" in line
+        )
+        assert props["ActiveState"] == "active", props
+        alice_uid = cluster.exec(host, "id", "-u", "alice").strip()
+        assert props["User"] in ("alice", alice_uid), props
+        owner = cluster.exec(host, "ps", "-o", "user=", "-p", props["MainPID"]).strip()
+        assert owner == "alice" and owner != "root", f"{unit['name']} runs as {owner}"
+
+
+def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
+    bob = HubUser(cluster, "bob")
+    bob.login()
+    bob.start_server("gpu1")
+    try:
+        bob_channel = bob.kernel(bob.start_kernel("gpuhub-gpu1"))
+        try:
+            _, alice_channel = alice_kernel
+            code = WHERE + "\nimport time; time.sleep(4)"
+            results = {}
+
+            def run(name, channel):
+                results[name] = channel.collect(channel.send_execute(code))
+
+            threads = [threading.Thread(target=run, args=("alice", alice_channel)),
+                       threading.Thread(target=run, args=("bob", bob_channel))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(KERNEL_TIMEOUT_S)
+            where = {name: tuple(out["stdout"].split()[:2]) for name, out in results.items()}
+            assert len(where) == 2 and all(len(w) == 2 for w in where.values()), results
+            waited = any("waiting for a GPU" in (out["stdout"] + out["stderr"]) for out in results.values())
+            assert where["alice"] != where["bob"] or waited, f"both cells ran on the same GPU at once: {where}"
+        finally:
+            bob_channel.close()
+    finally:
+        bob.stop_server()
+
+
+def test_prometheus_scrapes_every_agent(cluster):
+    agents = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
+
+    def scraped():
+        r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query", params={"query": 'up{job="gpuhub-agent"}'},
+                         timeout=10)
+        r.raise_for_status()
+        series = r.json()["data"]["result"]
+        return series if len(series) == len(agents) and all(s["value"][1] == "1" for s in series) else None
+
+    series = wait_for(scraped, 45, interval=3)
+    assert series, f"expected {len(agents)} gpuhub-agent series with up == 1"
