@@ -20,6 +20,8 @@ venv: $(STAMP)
 host-deps:
 	scripts/host-deps.sh
 
+# A local cluster (podman: hub1 + gpu1..gpu3 with fake GPUs), deployed with site.yml; prints the
+# hub URL and the demo users' generated passwords. `make demo-down` removes it.
 demo: venv host-deps
 	scripts/cluster.sh up demo
 	scripts/cluster.sh deploy demo
@@ -31,11 +33,14 @@ demo-down:
 test-fast: venv
 	$(BIN)/pytest -q -m "not cluster" tests
 
+# The molecule scenario: a fresh cluster "ci", site.yml, idempotence (changed=0), the end-to-end
+# tests (pytest -m cluster), then the cluster is removed.
 test-cluster: venv host-deps
-	$(BIN)/pytest -q -m cluster tests
+	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
 
 test: venv host-deps lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -m "not cluster" tests
+	$(MAKE) --no-print-directory test-cluster
 
 bench: venv
 	$(BIN)/python -m bench

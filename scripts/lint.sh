@@ -9,7 +9,7 @@ BIN="$ROOT/.venv/bin"
 
 echo "lint: ansible-lint (production profile)"
 PATH="$BIN:$PATH" ANSIBLE_CONFIG="$ROOT/ansible.cfg" "$BIN/ansible-lint" -q --nocolor \
-  -c "$ROOT/scripts/ansible-lint.yml" site.yml playbooks roles
+  -c "$ROOT/scripts/ansible-lint.yml" site.yml playbooks roles molecule
 
 echo "lint: python -m compileall gpuhub"
 "$BIN/python" -m compileall -q gpuhub
