@@ -29,7 +29,8 @@ IMAGE="localhost/gpuhub-debian:$SUITE-$RECIPE_HASH"
 GPU_NODES=${GPUHUB_GPU_NODES:-3}
 FAKE_GPUS=${GPUHUB_FAKE_GPUS:-2}
 
-log() { printf '\033[1m[cluster %s]\033[0m %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+if [ -t 2 ]; then B=$'\033[1m' N=$'\033[0m'; else B='' N=''; fi
+log() { printf '%s[cluster %s]%s %s\n' "$B" "$(date +%H:%M:%S)" "$N" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 usage() {
