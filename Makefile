@@ -38,9 +38,9 @@ test-fast: venv
 test-cluster: venv host-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
 
-# The molecule cluster E2E is `make test-cluster` until it is proven green on a clean machine (see issue #2).
-test: venv lint
+test: venv host-deps lint
 	$(BIN)/pytest -q -m "not cluster" tests
+	$(MAKE) --no-print-directory test-cluster
 
 bench: venv
 	$(BIN)/python -m bench
