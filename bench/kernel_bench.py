@@ -72,8 +72,7 @@ def main() -> str:
             for kc in kernels.values():
                 kc.stop_channels()
         finally:
-            for name in ("gpuhub-kernel-bench-cpu", "gpuhub-kernel-bench-gpu"):
-                agent.call("DELETE", f"/api/v1/units/{name}")
+            agent.stop_units()
             agent.stop()
             km.shutdown_kernel(now=True)
     anchor = statistics.median(results["plain ipykernel (anchor)"])

@@ -63,6 +63,15 @@ class AgentProcess:
                 time.sleep(0.1)
         raise RuntimeError("agent did not start")
 
+    def stop_units(self) -> None:
+        """Stop every unit this agent started (best effort: the agent may already be gone)."""
+        try:
+            _, units = self.call("GET", "/api/v1/units")
+            for u in units["units"]:
+                self.call("DELETE", f"/api/v1/units/{u['name']}")
+        except (OSError, KeyError, TypeError):
+            pass
+
     def stop(self, kill: bool = False) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()

@@ -24,13 +24,7 @@ def make_agent(tmp_path):
 
     yield make
     for a in agents:
-        # stop kernels the agent started, then the agent
-        try:
-            _, units = a.call("GET", "/api/v1/units")
-            for u in units["units"]:
-                a.call("DELETE", f"/api/v1/units/{u['name']}")
-        except Exception:
-            pass
+        a.stop_units()
         a.stop()
 
 
@@ -64,11 +58,6 @@ def cluster(tmp_path):
         raise RuntimeError("agents did not register")
     yield {"scheduler": sched, "agents": agents, "user_token": user_token}
     for a in agents:
-        try:
-            _, units = a.call("GET", "/api/v1/units")
-            for u in units["units"]:
-                a.call("DELETE", f"/api/v1/units/{u['name']}")
-        except Exception:
-            pass
+        a.stop_units()
         a.stop()
     sched.stop()

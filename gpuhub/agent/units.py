@@ -251,26 +251,21 @@ class ProcessRunner(SystemdRunner):
         return sorted(names | set(self._procs))
 
     async def stop(self, name: str) -> None:
-        proc = self._procs.pop(name, None)
-        pid = proc.pid if proc is not None else self._pid(name)
-        if pid is not None and (await self.status(name)).active or (proc is not None and proc.poll() is None):
+        st = await self.status(name)
+        self._procs.pop(name, None)
+        if st.active and st.main_pid:
             try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
+                os.killpg(st.main_pid, signal.SIGTERM)
+                for _ in range(50):
+                    os.kill(st.main_pid, 0)
+                    with open(f"/proc/{st.main_pid}/stat") as f:
+                        if f.read().split(")")[-1].split()[0] == "Z":
+                            break
+                    await asyncio.sleep(0.1)
+                else:
+                    os.killpg(st.main_pid, signal.SIGKILL)
+            except (ProcessLookupError, FileNotFoundError):
                 pass
-            for _ in range(50):
-                if proc is not None and proc.poll() is not None:
-                    break
-                if proc is None and not (await self.status(name)).active:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                if proc is not None:
-                    proc.wait()
         self.cleanup_files(name)
 
     def read_env(self, name: str) -> dict[str, str]:

@@ -191,23 +191,22 @@ class GpuhubKernel(IPythonKernel):
                              f"it {previous}\n")
 
     # --- interrupts: go to the cell's process, or stop a wait for a GPU ----
+    def _signal_cell(self, sig: int) -> bool:
+        """Signal the running cell's process; False when no GPU cell is running."""
+        pid = self._child_pid
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        return True
+
     def _send_interrupt_children(self) -> None:
         self._interrupted.set()
-        pid = self._child_pid
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            return
-        if self.gpus == 0:
+        if not self._signal_cell(signal.SIGINT) and self.gpus == 0:
             super()._send_interrupt_children()
 
     def do_shutdown(self, restart):
-        pid = self._child_pid
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._signal_cell(signal.SIGKILL)
         return super().do_shutdown(restart)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gpuhub.config import ConfigError, load_agent_config
-from tests.conftest import current_user
 from tests.integration.test_gpu_cells import run, start_kernel
 
 
@@ -131,6 +130,3 @@ def test_world_readable_token_refused(tmp_path):
     with pytest.raises(ConfigError, match="readable by others"):
         read_secret(t, "agent")
 
-
-def test_current_user_helper():
-    assert current_user()
