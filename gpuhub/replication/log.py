@@ -1,0 +1,214 @@
+"""A kernel's replicated log: the Raft state machine its replicas share (pysyncobj, DESIGN D4).
+
+The log carries small things only: executor proposals and votes, and for each finished cell the
+names it changed (small values inline, large values as a content digest whose bytes travel beside
+the log, see :mod:`gpuhub.replication.blobs`). The state below is what a snapshot holds, so a
+replica that restarts, or a new one, rebuilds the namespace from it plus the blobs.
+
+Entries are applied on pysyncobj's thread; waiters on the kernel's thread sleep on ``changed``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj.syncobj import SyncObjException
+
+from gpuhub.replication.election import Election, local_choice
+
+log = logging.getLogger("gpuhub.replication")
+
+KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for them
+
+
+@dataclass(frozen=True)
+class NameEntry:
+    """One global as the log knows it: its content digest, and its pickle when small."""
+
+    digest: str
+    inline: bytes | None  # None: the bytes are a blob, fetched by digest
+    size: int
+    device_tag: int | None = None  # logical GPU the value lived on (moved back there next GPU cell)
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    kind: str  # "complete" or "abort"
+    attempt: int
+    by: int  # the executor (complete) or the replica whose abort committed first
+    status: str = "ok"  # complete: the cell's reply status; abort: a short reason
+    detail: str = ""
+    execution_count: int = 0
+
+
+class KernelLog(SyncObjConsumer):
+    """The replicated state of one kernel. Only ``@replicated`` methods change it."""
+
+    def __init__(self, members: int) -> None:
+        # Set before the base __init__: pysyncobj leaves these out of snapshots.
+        self.changed = threading.Condition()
+        self.on_apply = None  # optional callable(kind, cell) for metrics/logging
+        super().__init__()
+        self.members = members
+        self.names: dict[str, NameEntry] = {}
+        self.execution_count = 0
+        self.previous_executor: int | None = None
+        self.elections: dict[tuple[str, int], Election] = {}
+        self.outcomes: OrderedDict[str, CellOutcome] = OrderedDict()
+        self.epoch = 0  # bumped by a restart of the kernel (fresh namespace)
+
+    # --- helpers (not replicated) ---------------------------------------------
+    def _election(self, cell: str, attempt: int) -> Election | None:
+        if cell in self.outcomes:
+            return None  # late entry for a finished cell
+        key = (cell, attempt)
+        if key not in self.elections:
+            # Proposals for a cell this replica has not reached yet are kept here: buffered.
+            self.elections[key] = Election(cell, attempt, self.previous_executor, self.members)
+        return self.elections[key]
+
+    def _finish(self, cell: str, outcome: CellOutcome) -> None:
+        self.outcomes[cell] = outcome
+        while len(self.outcomes) > KEEP_OUTCOMES:
+            self.outcomes.popitem(last=False)
+        for key in [k for k in self.elections if k[0] == cell]:
+            del self.elections[key]
+
+    def _applied(self, kind: str, cell: str) -> None:
+        self.changed.notify_all()
+        if self.on_apply is not None:
+            self.on_apply(kind, cell)
+
+    # --- replicated entries -----------------------------------------------------
+    @replicated
+    def propose(self, cell: str, attempt: int, replica: int, lead: bool) -> None:
+        with self.changed:
+            e = self._election(cell, attempt)
+            if e is not None:
+                e.add_proposal(replica, lead)
+                if e.outcome is None:
+                    # A choice every replica would make without a timeout is the same everywhere:
+                    # the log decides it here, saving a vote round trip on the common path.
+                    choice = local_choice(e, timed_out=False)
+                    if choice is not None:
+                        e.add_vote(choice)
+            self._applied("propose", cell)
+
+    @replicated
+    def vote(self, cell: str, attempt: int, voter: int, choice: int) -> None:
+        """An explicit vote, cast after a replica's election timeout (a member may be dead)."""
+        with self.changed:
+            e = self._election(cell, attempt)
+            if e is not None:
+                e.add_vote(choice)
+            self._applied("vote", cell)
+
+    @replicated
+    def complete(self, cell: str, attempt: int, executor: int, status: str,
+                 changed: dict[str, NameEntry], deleted: list[str]) -> bool:
+        """The executor's end of a cell. Loses (returns False) if an abort committed first."""
+        with self.changed:
+            if cell in self.outcomes:
+                self._applied("complete-late", cell)
+                return False
+            self.names.update(changed)
+            for name in deleted:
+                self.names.pop(name, None)
+            self.execution_count += 1
+            self.previous_executor = executor
+            self._finish(cell, CellOutcome("complete", attempt, executor, status,
+                                           execution_count=self.execution_count))
+            self._applied("complete", cell)
+            return True
+
+    @replicated
+    def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str) -> bool:
+        """A cell ends without a result (its executor was lost, no GPU in time, interrupted)."""
+        with self.changed:
+            if cell in self.outcomes:
+                self._applied("abort-late", cell)
+                return False
+            self.execution_count += 1
+            if reason == "executor-lost":
+                self.previous_executor = None  # do not wait for a dead replica in the next election
+            self._finish(cell, CellOutcome("abort", attempt, reporter, reason, detail, self.execution_count))
+            self._applied("abort", cell)
+            return True
+
+    @replicated
+    def reset(self, epoch: int) -> None:
+        """A fresh namespace on every replica (kernel restart)."""
+        with self.changed:
+            if epoch > self.epoch:
+                self.epoch = epoch
+                self.names.clear()
+                self.execution_count = 0
+                self.previous_executor = None
+                self.elections.clear()
+            self._applied("reset", "")
+
+
+def raft_password(key: bytes) -> str:
+    """The Raft group's password, derived from the kernel's connection key (which only the user's
+    server and the replicas hold): pysyncobj encrypts its pickle wire format with it."""
+    return hmac.new(key, b"gpuhub-raft-v1", "sha256").hexdigest()
+
+
+class RaftGroup:
+    """One replica's membership in its kernel's Raft group."""
+
+
+    def __init__(self, self_addr: str, peer_addrs: list[str], key: bytes, journal_dir: str | None,
+                 members: int) -> None:
+        self.log = KernelLog(members)
+        conf = SyncObjConf(
+            appendEntriesUseBatch=False,  # else every commit waits for the batch tick (~100 ms)
+            password=raft_password(key),
+            journalFile=f"{journal_dir}/raft.journal" if journal_dir else None,
+            fullDumpFile=f"{journal_dir}/raft.dump" if journal_dir else None,
+            dynamicMembershipChange=True,
+            raftMinTimeout=0.4, raftMaxTimeout=1.0, connectionTimeout=2.0,
+            bindRetryTime=0.2,
+        )
+        self.sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sync.isReady():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def call(self, method: str, *args, timeout_s: float = 30.0):
+        """Commit one entry; retries while a leader is being elected. Raises RaftUnavailable."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        last = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RaftUnavailable(f"the kernel's replicas could not agree on {method!r} within "
+                                      f"{timeout_s:g} s ({last}); is a majority of them alive?")
+            try:
+                return getattr(self.log, method)(*args, sync=True, timeout=min(remaining, 5.0))
+            except SyncObjException as exc:
+                last = exc.errorCode
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def connected(self, addr: str) -> bool:
+        return self.sync.getStatus().get(f"partner_node_status_server_{addr}", 0) == 2
+
+    def destroy(self) -> None:
+        self.sync.destroy()
+
+
+class RaftUnavailable(RuntimeError):
+    pass
