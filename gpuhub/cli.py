@@ -67,13 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     ki = ksub.add_parser("install", help="write one kernelspec per profile (idempotent)")
     ki.add_argument("--prefix", required=True, help="environment prefix, e.g. /opt/gpuhub/venv")
     ki.add_argument("--profile", action="append", default=[], help="NAME:GPUS, repeatable")
-    ki.add_argument("--replicas", type=int, default=1)
+    ki.add_argument("--replicas", type=int, default=3)
     ki.set_defaults(func=cmd_kernelspecs)
     n = sub.add_parser("nodes", help="list the nodes the scheduler knows")
     n.add_argument("--config", default="/etc/gpuhub/scheduler.toml")
     n.add_argument("--json", action="store_true")
     n.set_defaults(func=cmd_nodes)
     sub.add_parser("sim", help="trace-driven simulator (gpuhub sim --help)")
+    lk = sub.add_parser("local-kernel", help="run a replicated kernel on this machine (fake GPUs, no systemd)")
+    from gpuhub import localkernel
+
+    localkernel.add_arguments(lk)
+    lk.set_defaults(func=localkernel.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -130,3 +130,61 @@ class SchedulerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+class DevCluster:
+    """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1."""
+
+    def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None) -> None:
+        self.tmp = Path(tmp)
+        self.nodes = nodes
+        self.gpus_per_node = gpus_per_node
+        self.agent_token = secrets.token_urlsafe(24)
+        self.user_token = user_token or secrets.token_urlsafe(24)
+        self.scheduler: SchedulerProcess | None = None
+        self.agents: list[AgentProcess] = []
+
+    def start(self, timeout_s: float = 30) -> "DevCluster":
+        self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()}).start()
+        for i in range(self.nodes):
+            token_file = self.tmp / f"sched-{i}.token"
+            token_file.write_text(self.scheduler.token)
+            token_file.chmod(0o600)
+            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, extra=(
+                f'scheduler_url = "{self.scheduler.url}"\nscheduler_token_file = "{token_file}"\n'
+                'heartbeat_interval_s = 0.5'))
+            a.token = self.agent_token
+            (a.dir / "secrets" / "agent.token").write_text(self.agent_token)
+            self.agents.append(a.start())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                _, body = self.scheduler_call("GET", "/api/v1/nodes", token=self.scheduler.token)
+                if sum(n["live"] for n in body["nodes"]) == self.nodes:
+                    return self
+            except (urllib.error.URLError, ConnectionError, KeyError, TypeError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the agents did not register with the scheduler")
+
+    def scheduler_call(self, method: str, path: str, body=None, token: str | None = None, timeout: float = 60):
+        req = urllib.request.Request(self.scheduler.url + path, method=method,
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Authorization": f"Bearer {token or self.user_token}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def agent(self, node: str) -> AgentProcess:
+        return next(a for a in self.agents if a.name == node)
+
+    def stop(self) -> None:
+        for a in self.agents:
+            a.stop_units()
+            a.stop()
+        if self.scheduler is not None:
+            self.scheduler.stop()

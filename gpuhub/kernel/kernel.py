@@ -1,23 +1,33 @@
 """The gpuhub kernel: an IPython kernel that executes each cell of a GPU kernel in a forked child
 holding a per-cell GPU lease (DESIGN D2). CPU-only kernels execute in-process, as ipykernel does.
 
-Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_in_child` →
-:func:`gpuhub.kernel.cellchild.run` in the child.
+A kernel started with a peers file is one replica of a Raft group (gpuhub/kernel/replica.py):
+every cell first elects its executor, only the executor runs it, the others load what it changed.
+
+Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_replicated` (election)
+→ :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.cellchild.run`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
 import sys
 import threading
+import time
 
 from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import cellchild
 from gpuhub.kernel.grants import GrantClient, GrantError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.kernel.replica import Replica
+from gpuhub.replication.log import CellOutcome
+
+log = logging.getLogger("gpuhub.kernel")
+ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt"}
 
 
 def _describe_status(status: int) -> str:
@@ -41,6 +51,30 @@ class GpuhubKernel(IPythonKernel):
         self._digests: dict[str, str] = {}
         self._device_tags: dict[str, int] = {}
         self._startup_notice = self._notebook_dir_notice()
+        self._running_here = False  # a CPU cell of this replica is running in-process
+        self._role = "executor"  # this replica's part in the current request (reply metadata)
+        self.replica = Replica.from_env(self.session.key)
+        if self.replica is not None:
+            self._join_group()
+
+    def _join_group(self) -> None:
+        """Catch up (journal + peers) before the first request: a restarted replica's namespace
+        is the group's, not empty."""
+        self.replica.wait_ready()
+        failed = self.replica.sync_namespace(self.shell.user_ns, self._digests, self._device_tags)
+        if failed:
+            log.error("replica %d started without %s", self.replica.id, ", ".join(failed))
+        if self.replica.state.execution_count:
+            self.shell.execution_count = self.replica.state.execution_count
+        log.info("replica %d ready: %d name(s), next prompt %d", self.replica.id,
+                 len(self.replica.state.names), self.shell.execution_count)
+
+    def finish_metadata(self, parent, metadata, reply_content):
+        metadata = super().finish_metadata(parent, metadata, reply_content)
+        if self.replica is not None:
+            # The router forwards only the executor's execute_reply (DESIGN D3).
+            metadata["gpuhub"] = {"replica": self.replica.id, "role": self._role}
+        return metadata
 
     @staticmethod
     def _notebook_dir_notice() -> str:
@@ -53,14 +87,142 @@ class GpuhubKernel(IPythonKernel):
     # --- execution -----------------------------------------------------------
     async def do_execute(self, code, silent, store_history=True, user_expressions=None,
                          allow_stdin=False, *, cell_meta=None, cell_id=None):
-        if self._startup_notice:
-            sys.stderr.write(self._startup_notice)
-            self._startup_notice = ""
+        self._role = "executor"
+        if self.replica is not None:
+            return await self._execute_replicated(code, silent, store_history, user_expressions, allow_stdin,
+                                                  cell_meta=cell_meta, cell_id=cell_id)
+        self._show_startup_notice()
         if self.gpus == 0:
             return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                             cell_meta=cell_meta, cell_id=cell_id)
         self._allow_stdin = allow_stdin
         return self._execute_in_child(code, silent, store_history, user_expressions or {})
+
+    def _show_startup_notice(self) -> None:
+        if self._startup_notice:
+            sys.stderr.write(self._startup_notice)
+            self._startup_notice = ""
+
+    # --- replicated execution ---------------------------------------------------
+    async def _execute_replicated(self, code, silent, store_history, user_expressions, allow_stdin, *,
+                                  cell_meta=None, cell_id=None) -> dict:
+        rep = self.replica
+        cell = self.get_parent("shell")["header"]["msg_id"]
+        self._interrupted.clear()
+        rep.interrupted.clear()
+        started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
+        while True:
+            grant = self._try_grant()
+            decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
+            if grant is not None and decision.executor != rep.id:
+                self.grants.release(grant)  # losers give their tentative grant back at once
+            if decision.outcome is not None:
+                return self._ended_without_result(decision.outcome)
+            if decision.executor == rep.id:
+                self._show_startup_notice()
+                return await self._run_here(cell, attempt, grant, code, silent, store_history,
+                                            user_expressions, allow_stdin, cell_meta, cell_id)
+            if decision.executor is not None:
+                return self._follow(rep.wait_for_end(cell, decision.executor, self.shell.execution_count + 1))
+            # Every replica's server is busy. Until migration exists, wait (bounded) and say so.
+            waited = time.monotonic() - started
+            if self._interrupted.is_set() or waited >= self.grant_timeout_s:
+                reason, detail = (("interrupted", "interrupted while waiting for a GPU")
+                                  if self._interrupted.is_set() else
+                                  ("no-gpu", f"no GPU became free on any of this kernel's servers within "
+                                             f"{self.grant_timeout_s:g} s"))
+                return self._ended_without_result(
+                    rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
+            election = rep.state.elections.get((cell, attempt))
+            announcer = min(election.proposals) if election and election.proposals else rep.id
+            if announcer == rep.id and (told is None or waited - told >= 30):
+                nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
+                sys.stderr.write(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
+                                 f"({nodes}); waited {waited:.0f} s…\n")
+                sys.stderr.flush()
+                told = waited
+            self._interrupted.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+            attempt += 1
+
+    def _try_grant(self):
+        if self.gpus == 0:
+            return None
+        if self.grants is None:
+            return None
+        try:
+            return self.grants.try_grant(self.gpus)
+        except GrantError as exc:
+            log.warning("asking the agent for GPUs failed: %s", exc)
+            return None
+
+    async def _run_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
+                        allow_stdin, cell_meta, cell_id) -> dict:
+        """This replica is the executor: run the cell, publish its delta, then reply."""
+        shell, rep = self.shell, self.replica
+        hidden = set(shell.user_ns_hidden)
+        if self.gpus == 0:
+            before = {k: id(v) for k, v in shell.user_ns.items() if k not in hidden}
+            self._running_here = True
+            try:
+                reply = await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
+                                                  cell_meta=cell_meta, cell_id=cell_id)
+            finally:
+                self._running_here = False
+            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden)
+            self._warn_unreplicable(delta["failed"])
+        else:
+            self._allow_stdin = allow_stdin
+            try:
+                reply, delta = self._run_child(shell, code, silent, store_history, user_expressions or {},
+                                               grant.uuids)
+            finally:
+                self.grants.release(grant)
+            delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}}
+        won, entries = rep.commit_cell(cell, attempt, reply["status"], delta["set"], delta["deleted"],
+                                       delta["device_tags"], shell.execution_count)
+        if not won:
+            # An abort committed first (this replica was cut off): take the group's state instead.
+            touched = set(delta["set"]) | set(delta["deleted"]) | set(delta["failed"])
+            rep.sync_namespace(shell.user_ns, self._digests, self._device_tags, force=touched)
+            self._role = "follower"
+            return reply
+        if self.gpus == 0:
+            for name, entry in entries.items():
+                self._digests[name] = entry.digest
+            for name in delta["deleted"]:
+                self._digests.pop(name, None)
+        else:
+            self._apply_delta(delta)
+        return reply
+
+    def _warn_unreplicable(self, failed: dict[str, str]) -> None:
+        for name, why in failed.items():
+            sys.stderr.write(f"[gpuhub] warning: variable {name!r} cannot be replicated ({why}); "
+                             "it lives only on this replica and is lost if its server fails\n")
+
+    def _follow(self, outcome: CellOutcome) -> dict:
+        if outcome.kind == "abort":
+            return self._ended_without_result(outcome)
+        failed = self.replica.sync_namespace(self.shell.user_ns, self._digests, self._device_tags)
+        if failed:
+            log.error("replica %d could not load %s after cell", self.replica.id, ", ".join(failed))
+        self.shell.execution_count = outcome.execution_count
+        self._role = "follower"
+        return {"status": outcome.status, "execution_count": outcome.execution_count - 1,
+                "user_expressions": {}, "payload": []}
+
+    def _ended_without_result(self, outcome: CellOutcome) -> dict:
+        """A cell ended by an abort: the replica whose abort won reports it, the others stay silent."""
+        if outcome.by == self.replica.id:
+            self.shell.execution_count = outcome.execution_count - 1
+            return self._error_reply(ABORT_NAMES.get(outcome.status, "GpuhubError"),
+                                     f"{outcome.detail}; variables are as they were before this cell")
+        self.shell.execution_count = outcome.execution_count
+        self._role = "follower"
+        return {"status": "error", "ename": ABORT_NAMES.get(outcome.status, "GpuhubError"),
+                "evalue": outcome.detail, "traceback": [], "execution_count": outcome.execution_count - 1,
+                "user_expressions": {}, "payload": []}
 
     def _error_reply(self, ename: str, evalue: str) -> dict:
         tb = [f"{ename}: {evalue}"]
@@ -80,11 +242,15 @@ class GpuhubKernel(IPythonKernel):
         except GrantError as exc:
             return self._error_reply(type(exc).__name__, str(exc))
         try:
-            return self._run_child(shell, code, silent, store_history, user_expressions, grant.uuids)
+            reply, delta = self._run_child(shell, code, silent, store_history, user_expressions, grant.uuids)
         finally:
             self.grants.release(grant)
+        if delta is not None:
+            self._apply_delta(delta)
+        return reply
 
-    def _run_child(self, shell, code, silent, store_history, user_expressions, uuids) -> dict:
+    def _run_child(self, shell, code, silent, store_history, user_expressions, uuids) -> tuple[dict, dict | None]:
+        """Run one cell in a forked child; returns its reply and the namespace delta (not applied)."""
         out_r, out_w = os.pipe()
         in_r, in_w = os.pipe()
         hidden = set(shell.user_ns_hidden)
@@ -131,12 +297,11 @@ class GpuhubKernel(IPythonKernel):
         shell.execution_count += 1
         if done is None:
             # The child died mid-cell: the namespace stays as it was before this cell.
+            shell.execution_count -= 1
             return self._error_reply("CellProcessDied", f"the cell's process {_describe_status(status)}; "
-                                     "variables are as they were before this cell")
-        if delta is not None:
-            self._apply_delta(delta)
+                                     "variables are as they were before this cell"), None
         done["execution_count"] = shell.execution_count - 1
-        return done
+        return done, delta
 
     def _relay(self, msg: tuple, replies: FrameWriter) -> None:
         kind = msg[0]
@@ -204,9 +369,17 @@ class GpuhubKernel(IPythonKernel):
 
     def _send_interrupt_children(self) -> None:
         self._interrupted.set()
+        if self.replica is not None:
+            self.replica.interrupted.set()
+            # Only the executor's user code may see KeyboardInterrupt; a follower mid-protocol must not.
+            if not self._signal_cell(signal.SIGINT) and self._running_here:
+                super()._send_interrupt_children()
+            return
         if not self._signal_cell(signal.SIGINT) and self.gpus == 0:
             super()._send_interrupt_children()
 
     def do_shutdown(self, restart):
         self._signal_cell(signal.SIGKILL)
+        if self.replica is not None:
+            self.replica.close()
         return super().do_shutdown(restart)

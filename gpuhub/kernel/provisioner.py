@@ -1,8 +1,10 @@
 """The kernel provisioner inside the user's Jupyter server: kernels are placed by the scheduler.
 
 Selected per kernelspec (``metadata.kernel_provisioner.provisioner_name = "gpuhub-provisioner"``,
-config ``{"gpus": N, "replicas": R}``). The Jupyter server sees an ordinary kernel: this returns the
-replica's connection info and the server talks ZeroMQ to it as usual.
+config ``{"gpus": N, "replicas": R}``). The scheduler places R replicas; this provisioner runs the
+kernel's router (gpuhub/kernel/router.py, DESIGN D3) inside the Jupyter server and hands the server
+the router's connection info, so the server sees one ordinary kernel. A restart keeps the router
+(and its ports) and swaps in fresh replicas.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
+from gpuhub.kernel.router import KernelRouter
 from gpuhub.web import ApiClientError, call_json
 
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"
@@ -25,11 +28,13 @@ CLIENT_CONFIG = "/etc/gpuhub/client.toml"
 
 class GpuhubProvisioner(KernelProvisionerBase):
     gpus = Integer(0, config=True, help="GPUs each cell of this kernel gets")
-    replicas = Integer(1, config=True, help="Replicas of this kernel (on distinct nodes)")
+    replicas = Integer(3, config=True, help="Replicas of this kernel (on distinct nodes)")
     scheduler_url = Unicode(config=True, help="gpuhub-scheduler URL (default: /etc/gpuhub/client.toml)")
     poll_cache_s = Float(3.0, config=True, help="How long a poll answer is reused")
 
     _record: dict | None = None
+    _router: KernelRouter | None = None
+    _client_conn: dict | None = None
     _last_poll: tuple[float, int | None] = (0.0, None)
 
     def _default_url(self) -> str:
@@ -79,7 +84,14 @@ class GpuhubProvisioner(KernelProvisionerBase):
         except ApiClientError as exc:
             raise RuntimeError(f"gpuhub could not start the kernel: {exc.message}") from None
         self._record = record
-        conn = dict(record["replicas"][0]["connection"])
+        replicas = [{"id": r.get("id", i), **r["connection"]} for i, r in enumerate(record["replicas"])]
+        if self._router is None:
+            self._router = KernelRouter(replicas, key.encode(), log=self.log)
+            self._client_conn = await self._router.start()
+        else:  # a restart: same router and ports, fresh replicas
+            for r in replicas:
+                self._router.replace_replica(r)
+        conn = dict(self._client_conn)
         conn["key"] = key.encode()
         self.connection_info = conn
         self.log.info("gpuhub kernel %s on %s", self.kernel_id, ", ".join(r["node"] for r in record["replicas"]))
@@ -93,8 +105,8 @@ class GpuhubProvisioner(KernelProvisionerBase):
             return self._last_poll[1]
         try:
             _, status = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=10)
-            alive = any(r.get("state") in ("active", "activating", "unreachable") for r in status["replicas"])
-            result = None if alive else 1
+            running = sum(r.get("state") in ("active", "activating", "unreachable") for r in status["replicas"])
+            result = None if running > len(status["replicas"]) // 2 else 1  # a majority keeps it working
         except ApiClientError as exc:
             result = 1 if exc.status == 404 else None  # scheduler unreachable: assume alive, ask again later
         self._last_poll = (now, result)
@@ -129,6 +141,9 @@ class GpuhubProvisioner(KernelProvisionerBase):
     async def cleanup(self, restart: bool = False) -> None:
         if not restart:
             self._record = None
+            if self._router is not None:
+                await self._router.stop()
+                self._router = None
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()

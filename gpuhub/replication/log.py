@@ -44,7 +44,7 @@ class CellOutcome:
     by: int  # the executor (complete) or the replica whose abort committed first
     status: str = "ok"  # complete: the cell's reply status; abort: a short reason
     detail: str = ""
-    execution_count: int = 0
+    execution_count: int = 0  # the kernel's prompt number after this cell
 
 
 class KernelLog(SyncObjConsumer):
@@ -57,7 +57,7 @@ class KernelLog(SyncObjConsumer):
         super().__init__()
         self.members = members
         self.names: dict[str, NameEntry] = {}
-        self.execution_count = 0
+        self.execution_count = 0  # IPython's next prompt number; 0 = no cell yet
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
         self.outcomes: OrderedDict[str, CellOutcome] = OrderedDict()
@@ -111,7 +111,7 @@ class KernelLog(SyncObjConsumer):
 
     @replicated
     def complete(self, cell: str, attempt: int, executor: int, status: str,
-                 changed: dict[str, NameEntry], deleted: list[str]) -> bool:
+                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int) -> bool:
         """The executor's end of a cell. Loses (returns False) if an abort committed first."""
         with self.changed:
             if cell in self.outcomes:
@@ -120,7 +120,7 @@ class KernelLog(SyncObjConsumer):
             self.names.update(changed)
             for name in deleted:
                 self.names.pop(name, None)
-            self.execution_count += 1
+            self.execution_count = execution_count
             self.previous_executor = executor
             self._finish(cell, CellOutcome("complete", attempt, executor, status,
                                            execution_count=self.execution_count))
@@ -128,13 +128,14 @@ class KernelLog(SyncObjConsumer):
             return True
 
     @replicated
-    def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str) -> bool:
+    def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str,
+              execution_count: int) -> bool:
         """A cell ends without a result (its executor was lost, no GPU in time, interrupted)."""
         with self.changed:
             if cell in self.outcomes:
                 self._applied("abort-late", cell)
                 return False
-            self.execution_count += 1
+            self.execution_count = execution_count
             if reason == "executor-lost":
                 self.previous_executor = None  # do not wait for a dead replica in the next election
             self._finish(cell, CellOutcome("abort", attempt, reporter, reason, detail, self.execution_count))

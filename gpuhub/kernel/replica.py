@@ -1,0 +1,254 @@
+"""One replica's part in its kernel's Raft group: who runs a cell, and keeping the namespace equal.
+
+Where replicas agree on the executor: :meth:`Replica.elect`. Where the executor publishes what a
+cell changed: :meth:`Replica.commit_cell`. Where the others take it: :meth:`Replica.follow`.
+
+The protocol per cell (the cell's key is the ``execute_request``'s msg_id, the same on every
+replica because the router forwards one message to all):
+
+1. every replica asks its own agent for the GPUs now (CPU kernels: always able) and proposes LEAD
+   or YIELD; the log decides the executor (gpuhub/replication/election.py); losers give back
+   their grant at once;
+2. the executor runs the cell and commits ``complete`` with the names it changed: small pickles
+   inline, large ones pushed to the other replicas first and named by digest (DESIGN D4);
+3. the others wait for that entry (or an ``abort``, when the executor is lost, no GPU came in
+   time, or the user interrupted the wait), then load the changed names. The kernel replies only
+   then, so no replica starts cell n+1 before the delta of cell n is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuhub.replication import blobs
+from gpuhub.replication.election import FAILED, local_choice
+from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
+
+log = logging.getLogger("gpuhub.replica")
+
+INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
+
+
+@dataclass
+class Settings:
+    """Timeouts, from the unit's environment (GPUHUB_*), so admins can tune them per site."""
+
+    election_timeout_s: float = 1.0  # after the first proposal, stop waiting for silent replicas
+    executor_lost_s: float = 2.0  # the executor's replica unreachable this long → abort the cell
+    grant_timeout_s: float = 300.0  # all replicas busy: how long a cell waits for a GPU
+    ready_timeout_s: float = 120.0  # joining the group and catching up at start
+    inline_max_bytes: int = INLINE_MAX_BYTES
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        s = cls()
+        for name, env in (("election_timeout_s", "GPUHUB_ELECTION_TIMEOUT_S"),
+                          ("executor_lost_s", "GPUHUB_EXECUTOR_LOST_S"),
+                          ("grant_timeout_s", "GPUHUB_GRANT_TIMEOUT_S"),
+                          ("ready_timeout_s", "GPUHUB_READY_TIMEOUT_S")):
+            if os.environ.get(env):
+                setattr(s, name, float(os.environ[env]))
+        return s
+
+
+@dataclass
+class Peer:
+    id: int
+    node: str
+    raft: str
+    blob: str
+
+
+@dataclass
+class Decision:
+    """How this replica takes part in one cell."""
+
+    cell: str
+    attempt: int
+    executor: int | None  # None: the cell ended without an executor (see outcome)
+    outcome: CellOutcome | None = None  # set when the cell already ended (abort)
+
+
+def read_peers(path: str, timeout_s: float) -> list[Peer]:
+    """The scheduler writes peers.json once every replica has its ports; wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gpuhub: no peers file {path} after {timeout_s:g} s; "
+                               "the scheduler did not finish placing this kernel")
+        time.sleep(0.05)
+    doc = json.loads(Path(path).read_text())
+    return [Peer(int(r["id"]), r.get("node", ""), r["raft"], r["blob"]) for r in doc["replicas"]]
+
+
+def reachable(addr: str, timeout_s: float = 0.5) -> bool:
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class Replica:
+    def __init__(self, replica_id: int, peers: list[Peer], key: bytes, journal_dir: str | None,
+                 settings: Settings | None = None) -> None:
+        self.id = replica_id
+        self.peers = {p.id: p for p in peers}
+        if replica_id not in self.peers:
+            raise RuntimeError(f"gpuhub: replica {replica_id} is not in its own peers list")
+        self.me = self.peers[replica_id]
+        self.key = key
+        self.settings = settings or Settings.from_env()
+        self.store = blobs.BlobStore()
+        host, port = self.me.blob.rsplit(":", 1)
+        self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
+        self.blob_server.start()
+        others = [p.raft for p in peers if p.id != replica_id]
+        self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))
+        self.state: KernelLog = self.raft.log
+        self.interrupted = threading.Event()
+
+    @classmethod
+    def from_env(cls, key: bytes) -> "Replica | None":
+        peers_file = os.environ.get("GPUHUB_PEERS_FILE")
+        if not peers_file:
+            return None
+        settings = Settings.from_env()
+        peers = read_peers(peers_file, settings.ready_timeout_s)
+        return cls(int(os.environ.get("GPUHUB_REPLICA_ID", "0")), peers, key,
+                   os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
+
+    def wait_ready(self) -> None:
+        if not self.raft.wait_ready(self.settings.ready_timeout_s):
+            raise RuntimeError(f"gpuhub: replica {self.id} could not join its group within "
+                               f"{self.settings.ready_timeout_s:g} s (is a majority of replicas running?)")
+
+    def other_blob_addrs(self) -> list[str]:
+        return [p.blob for p in self.peers.values() if p.id != self.id]
+
+    def close(self) -> None:
+        self.raft.destroy()
+        self.blob_server.stop()
+
+    # --- 1. election -------------------------------------------------------------
+    def _wait(self, predicate, timeout_s: float):
+        with self.state.changed:
+            return self.state.changed.wait_for(predicate, timeout_s)
+
+    def elect(self, cell: str, attempt: int, lead: bool) -> Decision:
+        """Propose, then wait until the log says who runs this attempt (or the cell ended)."""
+        self.raft.call("propose", cell, attempt, self.id, lead)
+        first_seen = time.monotonic()
+        voted = False
+        while True:
+            ended = self.state.outcomes.get(cell)
+            if ended is not None:
+                return Decision(cell, attempt, None, ended)
+            e = self.state.elections.get((cell, attempt))
+            if e is not None and e.outcome is not None:
+                return Decision(cell, attempt, None if e.outcome == FAILED else e.outcome)
+            timed_out = time.monotonic() - first_seen >= self.settings.election_timeout_s
+            if timed_out and not voted and e is not None:
+                choice = local_choice(e, timed_out=True)
+                if choice is not None:
+                    self.raft.call("vote", cell, attempt, self.id, choice)
+                    voted = True
+                    continue
+            self._wait(lambda: cell in self.state.outcomes or (
+                (cell, attempt) in self.state.elections
+                and self.state.elections[(cell, attempt)].outcome is not None), 0.1)
+
+    def abort(self, cell: str, attempt: int, reason: str, detail: str, execution_count: int) -> CellOutcome:
+        """Propose ending the cell without a result; the first ending committed wins."""
+        self.raft.call("abort", cell, attempt, self.id, reason, detail, execution_count)
+        self._wait(lambda: cell in self.state.outcomes, 30)
+        return self.state.outcomes[cell]
+
+    # --- 2. the executor's end of a cell ----------------------------------------------
+    def commit_cell(self, cell: str, attempt: int, status: str, pickles: dict[str, bytes],
+                    deleted: list[str], device_tags: dict[str, int],
+                    execution_count: int) -> tuple[bool, dict[str, NameEntry]]:
+        """Publish the names the cell changed; False if the cell had already been aborted."""
+        entries: dict[str, NameEntry] = {}
+        to_push: dict[str, bytes] = {}
+        for name, data in pickles.items():
+            d = blobs.digest(data)
+            small = len(data) <= self.settings.inline_max_bytes
+            entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
+            if not small:
+                self.store.put(d, data)
+                to_push[d] = data
+        if to_push:
+            # Best effort: a replica that missed a blob fetches it from a peer when it applies.
+            for addr, err in blobs.push_all(self.other_blob_addrs(), self.key, to_push).items():
+                if err:
+                    log.warning("could not push %d value(s) to %s: %s", len(to_push), addr, err)
+        self.raft.call("complete", cell, attempt, self.id, status, entries, list(deleted), execution_count)
+        # The call returns when the leader applied it; wait until this replica did too.
+        self._wait(lambda: cell in self.state.outcomes, 30)
+        outcome = self.state.outcomes[cell]
+        return outcome.kind == "complete" and outcome.by == self.id, entries
+
+    # --- 3. the others ------------------------------------------------------------
+    def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:
+        """Wait for the executor's result; abort the cell if its replica is gone."""
+        peer = self.peers.get(executor)
+        unreachable_since = None
+        while True:
+            if self._wait(lambda: cell in self.state.outcomes, 0.5):
+                return self.state.outcomes[cell]
+            if peer is None or reachable(peer.blob):
+                unreachable_since = None
+                continue
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since >= self.settings.executor_lost_s:
+                return self.abort(cell, -1, "executor-lost",
+                                  f"the replica running this cell (on {peer.node or peer.raft}) stopped",
+                                  execution_count)
+
+    def load_value(self, entry: NameEntry):
+        data = entry.inline
+        if data is None:
+            data = self.store.get(entry.digest)
+            if data is None:
+                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest)
+                self.store.put(entry.digest, data)
+        return pickle.loads(data)
+
+    def sync_namespace(self, ns: dict, digests: dict[str, str], device_tags: dict[str, int],
+                       force: set[str] = frozenset()) -> list[str]:
+        """Make ``ns`` hold what the log says; returns names that could not be loaded."""
+        failed = []
+        names = dict(self.state.names)
+        for name, entry in names.items():
+            if digests.get(name) == entry.digest and name in ns and name not in force:
+                continue
+            try:
+                ns[name] = self.load_value(entry)
+            except Exception as exc:  # noqa: BLE001 - a value this host cannot load must not kill the kernel
+                log.error("replica %d cannot load %r: %s: %s", self.id, name, type(exc).__name__, exc)
+                failed.append(name)
+                continue
+            digests[name] = entry.digest
+            if entry.device_tag is None:
+                device_tags.pop(name, None)
+            else:
+                device_tags[name] = entry.device_tag
+        for name in [n for n in digests if n not in names]:
+            ns.pop(name, None)
+            digests.pop(name, None)
+            device_tags.pop(name, None)
+        for name in force:
+            if name not in names:
+                ns.pop(name, None)
+        self.store.retain({e.digest for e in names.values() if e.inline is None})
+        return failed

@@ -1,0 +1,257 @@
+"""Replicated kernels on one machine: three replicas, three agents with fake GPUs, the scheduler,
+the router and a real jupyter_client client (issue: Raft-replicated kernels)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from gpuhub.devcluster import DevCluster
+from gpuhub.kernel.router import KernelRouter
+from tests.integration.test_gpu_cells import run
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for the router while the test blocks on its client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class ReplicatedKernel:
+    def __init__(self, cluster: DevCluster, gpus: int, env: dict | None = None) -> None:
+        self.cluster = cluster
+        self.key = secrets.token_hex(16)
+        self.kernel_id = uuid.uuid4().hex[:10]
+        status, self.record = cluster.scheduler_call("POST", "/api/v1/kernels", {
+            "kernel_id": self.kernel_id, "key": self.key, "gpus": gpus, "replicas": 3, "cwd": os.getcwd(),
+            **({"env": env} if env else {})})
+        assert status in (200, 201), self.record
+        self.loop = LoopThread()
+        self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
+                                   self.key.encode())
+        conn = self.loop.run(self.router.start())
+        self.kc = BlockingKernelClient()
+        self.kc.load_connection_info({**conn, "key": self.key.encode()})
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def replica(self, rid: int) -> dict:
+        return next(r for r in self.record["replicas"] if r["id"] == rid)
+
+    def pid(self, rid: int) -> int:
+        r = self.replica(rid)
+        _, unit = self.cluster.agent(r["node"]).call("GET", f"/api/v1/units/{r['unit']}")
+        return unit["main_pid"]
+
+    def direct_client(self, rid: int) -> BlockingKernelClient:
+        """A client of one replica only: for looking at its namespace (inspect needs no election)."""
+        kc = BlockingKernelClient()
+        kc.load_connection_info({**self.replica(rid)["connection"], "key": self.key.encode()})
+        kc.start_channels()
+        return kc
+
+    def namespace(self, rid: int, names: list[str]) -> dict[str, str | None]:
+        kc = self.direct_client(rid)
+        try:
+            out = {}
+            for name in names:
+                reply = kc.inspect(name, detail_level=0, reply=True, timeout=20)["content"]
+                out[name] = reply["data"].get("text/plain") if reply.get("found") else None
+            return out
+        finally:
+            kc.stop_channels()
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.loop.run(self.router.stop())
+        self.loop.close()
+        self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
+
+
+@pytest.fixture
+def dev_cluster(tmp_path):
+    c = DevCluster(tmp_path, nodes=3, gpus_per_node=1).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def cpu_kernel(dev_cluster):
+    k = ReplicatedKernel(dev_cluster, gpus=0)
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def gpu_kernel(dev_cluster):
+    k = ReplicatedKernel(dev_cluster, gpus=1)
+    yield k
+    k.close()
+
+
+def ok(kernel, code, **kw):
+    reply, out = run(kernel.kc, code, **kw)
+    assert reply["status"] == "ok", (reply, out)
+    return out
+
+
+def assert_equal_namespaces(kernel, names, rids=(0, 1, 2)):
+    views = {rid: kernel.namespace(rid, names) for rid in rids}
+    first = views[rids[0]]
+    for rid in rids[1:]:
+        assert views[rid] == first, f"replica {rid} differs: {views[rid]} vs {first}"
+    return first
+
+
+def test_every_cell_leaves_three_equal_namespaces(cpu_kernel):
+    cells = [
+        ("x = 41", ["x"]),
+        ("items = [1, 2]\nitems.append(3)", ["x", "items"]),
+        ("import math\ndef inc(a):\n    return a + 1\nclass Point:\n    def __init__(self, v): self.v = v",
+         ["inc", "Point", "math"]),
+        ("x = inc(x); p = Point(math.floor(2.5))", ["x", "p.v"]),
+        ("import numpy as np\nbig = np.arange(3_000_000)  # 24 MB: travels beside the log", ["big.sum()"]),
+        ("big[:10] = 7\ndel items", ["items", "big[:12]"]),
+    ]
+    for code, names in cells:
+        ok(cpu_kernel, code)
+        view = assert_equal_namespaces(cpu_kernel, names)
+    assert view["items"] is None
+    assert "7, 7" in view["big[:12]"]
+    out = ok(cpu_kernel, "print(x, p.v, big[:3].tolist(), inc(1))")
+    assert out["stdout"].strip() == "42 2 [7, 7, 7] 2"
+
+
+def test_outputs_and_replies_come_once(cpu_kernel):
+    out = ok(cpu_kernel, "print('hello')\n6 * 7")
+    assert out["stdout"] == "hello\n"
+    assert out["results"] == ["42"]
+    reply, out = run(cpu_kernel.kc, "1/0")
+    assert reply["status"] == "error" and out["errors"] == ["ZeroDivisionError"]
+
+
+def test_unpicklable_value_warns_and_the_kernel_goes_on(cpu_kernel):
+    out = ok(cpu_kernel, "import threading\nlock = threading.Lock()\nn = 5")
+    assert "lock" in out["stderr"] and "cannot be replicated" in out["stderr"]
+    assert assert_equal_namespaces(cpu_kernel, ["n"])["n"].endswith("5")
+
+
+def executor_node(kernel) -> str:
+    out = ok(kernel, "import os; print(os.environ['GPUHUB_NODE'])")
+    return out["stdout"].strip()
+
+
+def test_busy_gpu_moves_the_next_cell_to_another_replica(gpu_kernel, dev_cluster):
+    first = executor_node(gpu_kernel)
+    assert executor_node(gpu_kernel) == first  # sticky while its GPU is free
+    agent = dev_cluster.agent(first)
+    _, unit = agent.call("POST", "/api/v1/units", {
+        "name": "gpuhub-kernel-hog-r0", "kind": "kernel", "user": gpu_kernel.record["user"], "gpus": 1,
+        "cwd": os.getcwd(), "kernel": {"key": "k", "kernel_id": "hog"}})
+    token = dict(line.split("=", 1) for line in (agent.dir / "run" / "units" / "gpuhub-kernel-hog-r0.env")
+                 .read_text().splitlines() if "=" in line)["GPUHUB_LEASE_TOKEN"]
+    status, lease = agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
+    assert status == 200, lease
+    ok(gpu_kernel, "v = 'ran elsewhere'")
+    second = executor_node(gpu_kernel)
+    assert second != first
+    assert_equal_namespaces(gpu_kernel, ["v"])
+
+
+def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):
+    ok(gpu_kernel, "a = 1")
+    hogs = []
+    for agent in dev_cluster.agents:
+        name = f"gpuhub-kernel-hog{agent.name[-1]}-r0"
+        agent.call("POST", "/api/v1/units", {
+            "name": name, "kind": "kernel", "user": gpu_kernel.record["user"], "gpus": 1,
+            "cwd": os.getcwd(), "kernel": {"key": "k", "kernel_id": "hog"}})
+        token = dict(line.split("=", 1) for line in (agent.dir / "run" / "units" / f"{name}.env")
+                     .read_text().splitlines() if "=" in line)["GPUHUB_LEASE_TOKEN"]
+        status, lease = agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
+        assert status == 200
+        hogs.append((agent, token, lease["lease_id"]))
+
+    def free_later():
+        time.sleep(2.0)
+        for agent, token, lease_id in hogs:
+            agent.call("DELETE", f"/api/v1/leases/{lease_id}", token=token)
+
+    threading.Thread(target=free_later, daemon=True).start()
+    out = ok(gpu_kernel, "a += 1", timeout=60)
+    assert "waiting for 1 GPU(s)" in out["stderr"]
+    assert assert_equal_namespaces(gpu_kernel, ["a"])["a"].endswith("2")
+
+
+def _restartable(pid: int) -> tuple[list[str], dict, str]:
+    cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:-1]
+    env = dict(e.split(b"=", 1) for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in e)
+    return ([c.decode() for c in cmd], {k.decode(): v.decode() for k, v in env.items()},
+            os.readlink(f"/proc/{pid}/cwd"))
+
+
+def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
+    ok(cpu_kernel, "import numpy as np\nbig = np.ones(2_000_000)\nx = 1")
+    node = executor_node(cpu_kernel)
+    idle = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] != node)
+    pid = cpu_kernel.pid(idle)
+    cmd, env, cwd = _restartable(pid)
+    os.kill(pid, signal.SIGKILL)
+    ok(cpu_kernel, "x += 1; big *= 3", timeout=30)  # two replicas are a majority
+    ok(cpu_kernel, "y = x * 10")
+    # systemd would restart the unit: same command, ports, journal
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                view = assert_equal_namespaces(cpu_kernel, ["x", "y", "big.sum()"])
+                break
+            except (AssertionError, TimeoutError, RuntimeError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert view["x"].endswith("2") and view["y"].endswith("20") and "6000000" in view["big.sum()"]
+        ok(cpu_kernel, "z = y + 1")
+        assert_equal_namespaces(cpu_kernel, ["z"])
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
+    ok(cpu_kernel, "x = 1")
+    node = executor_node(cpu_kernel)
+    executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    pid = cpu_kernel.pid(executor)
+    msg_id = cpu_kernel.kc.execute("x = 100\nimport time; time.sleep(60)")
+    time.sleep(1.5)
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    reply = cpu_kernel.kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "ExecutorLost"
+    assert time.monotonic() - started < 15
+    out = ok(cpu_kernel, "print(x)")
+    assert out["stdout"].strip() == "1"
