@@ -13,7 +13,6 @@ import asyncio
 import builtins
 import ctypes
 import getpass
-import hashlib
 import io
 import os
 import signal
@@ -26,14 +25,11 @@ from IPython.core.displaypub import DisplayPublisher
 
 from gpuhub.kernel import devices
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.replication.blobs import digest  # one content hash for change detection and blobs
 
 PR_SET_PDEATHSIG = 1
 IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), frozenset, range, types.ModuleType,
              types.FunctionType, types.BuiltinFunctionType, type)
-
-
-def digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class PipeStream(io.TextIOBase):

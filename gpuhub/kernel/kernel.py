@@ -127,10 +127,11 @@ class GpuhubKernel(IPythonKernel):
             # Every replica's server is busy. Until migration exists, wait (bounded) and say so.
             waited = time.monotonic() - started
             if self._interrupted.is_set() or waited >= self.grant_timeout_s:
-                reason, detail = (("interrupted", "interrupted while waiting for a GPU")
-                                  if self._interrupted.is_set() else
-                                  ("no-gpu", f"no GPU became free on any of this kernel's servers within "
-                                             f"{self.grant_timeout_s:g} s"))
+                if self._interrupted.is_set():
+                    reason, detail = "interrupted", "interrupted while waiting for a GPU"
+                else:
+                    reason = "no-gpu"
+                    detail = f"no GPU became free on any of this kernel's servers within {self.grant_timeout_s:g} s"
                 return self._ended_without_result(
                     rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
             election = rep.state.elections.get((cell, attempt))

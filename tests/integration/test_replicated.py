@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from jupyter_client import BlockingKernelClient
@@ -164,7 +165,7 @@ def test_busy_gpu_moves_the_next_cell_to_another_replica(gpu_kernel, dev_cluster
     first = executor_node(gpu_kernel)
     assert executor_node(gpu_kernel) == first  # sticky while its GPU is free
     agent = dev_cluster.agent(first)
-    _, unit = agent.call("POST", "/api/v1/units", {
+    agent.call("POST", "/api/v1/units", {
         "name": "gpuhub-kernel-hog-r0", "kind": "kernel", "user": gpu_kernel.record["user"], "gpus": 1,
         "cwd": os.getcwd(), "kernel": {"key": "k", "kernel_id": "hog"}})
     token = dict(line.split("=", 1) for line in (agent.dir / "run" / "units" / "gpuhub-kernel-hog-r0.env")
@@ -203,8 +204,9 @@ def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):
 
 
 def _restartable(pid: int) -> tuple[list[str], dict, str]:
-    cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:-1]
-    env = dict(e.split(b"=", 1) for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in e)
+    proc = Path(f"/proc/{pid}")
+    cmd = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
+    env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
     return ([c.decode() for c in cmd], {k.decode(): v.decode() for k, v in env.items()},
             os.readlink(f"/proc/{pid}/cwd"))
 
