@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import secrets
 import shutil
 import signal
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fake-gpus", type=int, default=2, help="fake GPUs per replica's node (default 2)")
     p.add_argument("--connection-file", required=True, help="where to write the kernel's connection file")
     p.add_argument("--workdir", help="keep daemons' configs and logs here (default: a temporary directory)")
+    p.add_argument("--log-level", default="WARNING", help="the router's log level (default WARNING)")
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -92,4 +94,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(args))

@@ -116,8 +116,10 @@ class GpuhubKernel(IPythonKernel):
             decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
             if grant is not None and decision.executor != rep.id:
                 self.grants.release(grant)  # losers give their tentative grant back at once
-            if decision.outcome is not None:
-                return self._ended_without_result(decision.outcome)
+            if decision.outcome is not None:  # this replica is late: the cell already ended
+                return self._follow(decision.outcome)
+            log.debug("cell %s attempt %d: executor %s after %.1f ms", cell, attempt, decision.executor,
+                      (time.monotonic() - started) * 1000)
             if decision.executor == rep.id:
                 self._show_startup_notice()
                 return await self._run_here(cell, attempt, grant, code, silent, store_history,
@@ -180,8 +182,10 @@ class GpuhubKernel(IPythonKernel):
             finally:
                 self.grants.release(grant)
             delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}}
+        ran = time.monotonic()
         won, entries = rep.commit_cell(cell, attempt, reply["status"], delta["set"], delta["deleted"],
                                        delta["device_tags"], shell.execution_count)
+        log.debug("cell %s: %d value(s) committed in %.1f ms", cell, len(entries), (time.monotonic() - ran) * 1000)
         if not won:
             # An abort committed first (this replica was cut off): take the group's state instead.
             touched = set(delta["set"]) | set(delta["deleted"]) | set(delta["failed"])
