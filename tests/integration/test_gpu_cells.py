@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import queue
 import secrets
 import threading
 import time
@@ -20,11 +21,33 @@ def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1, env=None):
         "env": env or {}, "kernel": {"key": key, "kernel_id": name},
     })
     assert status == 201, unit
-    kc = BlockingKernelClient()
-    kc.load_connection_info({**unit["connection"], "key": key})
-    kc.start_channels()
-    kc.wait_for_ready(timeout=30)
-    return kc, unit
+    conn = unit["connection"]
+    status, body = agent.call("PUT", f"/api/v1/units/{name}/peers", {"replicas": [{  # a group of one
+        "id": 0, "node": agent.name, "raft": f"{conn['ip']}:{conn['raft_port']}",
+        "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
+    assert status == 200, body
+    return connect(unit["connection"], key), unit
+
+
+def connect(conn: dict, key: str, timeout: float = 60) -> BlockingKernelClient:
+    """A client of a kernel that may still be starting (its heartbeat is not up yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kc = BlockingKernelClient()
+        kc.load_connection_info({**conn, "key": key})
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+            while True:  # a slow start leaves extra kernel_info replies: tests read the shell channel
+                try:
+                    kc.get_shell_msg(timeout=0.3)
+                except queue.Empty:
+                    return kc
+        except RuntimeError:  # "died before replying": no heartbeat yet
+            kc.stop_channels()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def run(kc, code, timeout=30, stdin=None):
