@@ -1,0 +1,258 @@
+"""Large values beside the Raft log (DESIGN D4): digest, store, and real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuhub.replication import blobs
+from gpuhub.replication.blobs import (
+    BlobError,
+    BlobServer,
+    BlobStore,
+    digest,
+    fetch,
+    push,
+    push_all,
+)
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def servers():
+    """Start BlobServers on free ports; all stopped at the end."""
+    started = []
+
+    def start(n: int = 1, key: bytes = KEY, **kw) -> list[BlobServer]:
+        new = [BlobServer(BlobStore(), key, "127.0.0.1", 0, **kw).start() for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def free_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+# --- digest --------------------------------------------------------------------------------------
+def reference_digest(data: bytes, chunk: int) -> str:
+    leaves = b"".join(hashlib.sha256(data[i:i + chunk]).digest()
+                      for i in range(0, len(data), chunk))
+    return hashlib.sha256(blobs.TAG + len(data).to_bytes(8, "big") + leaves).hexdigest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=600), chunk=st.sampled_from([1, 7, 64, 1000]))
+def test_digest_is_the_tree_hash_whatever_the_buffer_type(data, chunk):
+    saved, blobs.CHUNK = blobs.CHUNK, chunk  # small chunks: many leaves, hashed in the pool
+    try:
+        d = digest(data)
+        assert d == reference_digest(data, chunk)
+        assert d == digest(bytearray(data)) == digest(memoryview(data)) == digest(data)
+    finally:
+        blobs.CHUNK = saved
+    assert len(d) == 64 and int(d, 16) >= 0
+
+
+def test_digest_of_a_numpy_array_is_that_of_its_bytes():
+    a = np.arange(1000, dtype=np.float64).reshape(10, 100)
+    assert digest(a) == digest(a.tobytes()) != digest(a[:, :50].copy())
+    assert digest(b"") == reference_digest(b"", blobs.CHUNK)
+
+
+# --- store ---------------------------------------------------------------------------------------
+def test_store_put_get_retain():
+    s = BlobStore()
+    a, b = b"a" * 10, b"b" * 20
+    s.put(digest(a), a)
+    s.put(digest(b), b)
+    s.put(digest(b), b)  # idempotent
+    assert s.get(digest(a)) == a and s.has(digest(b)) and s.get("0" * 64) is None
+    assert s.nbytes == 30 and len(s) == 2
+    s.retain({digest(b)})
+    assert not s.has(digest(a)) and s.get(digest(b)) == b and s.nbytes == 20
+    s.retain(set())
+    assert len(s) == 0 and s.nbytes == 0
+
+
+def test_store_reuses_dropped_buffers_only_when_nothing_references_them():
+    s = BlobStore(spare_bytes=10_000)
+    buf = s.alloc(1000)
+    buf[:] = b"x" * 1000
+    s.adopt("a" * 64, buf, 1000)
+    first = id(buf)
+    del buf
+    view = s.get("a" * 64)
+    assert bytes(view) == b"x" * 1000 and view.readonly
+    s.retain(set())
+    assert s.spare_nbytes == 0  # a view is alive: the buffer must not be reused
+    del view
+
+    buf = s.alloc(900)
+    s.adopt("b" * 64, buf, 900)
+    del buf
+    assert len(s.get("b" * 64)) == 900 and s.nbytes == 900
+    s.retain(set())
+    assert s.spare_nbytes >= 900
+    again = s.alloc(800)  # the 900-byte spare fits within n + n/4
+    assert len(again) == 900 and s.spare_nbytes == 0
+    assert id(s.alloc(10)) != first  # far smaller: fresh
+
+
+# --- network -------------------------------------------------------------------------------------
+def test_put_get_round_trip(servers):
+    (srv,) = servers(1)
+    value = b"hello" * 1000
+    d = digest(value)
+    srv.store.put(d, value)
+    assert bytes(fetch([srv.address], KEY, d)) == value
+    push(srv.address, KEY, {digest(b"other"): b"other"})
+    assert bytes(srv.store.get(digest(b"other"))) == b"other"
+
+
+def test_push_all_to_two_then_fetch_from_either(servers):
+    a, b = servers(2)
+    items = {digest(v): v for v in (b"x" * 100_000, b"small", b"")}
+    errors = push_all([a.address, b.address], KEY, items)
+    assert errors == {a.address: None, b.address: None}
+    for srv in (a, b):
+        assert srv.store.digests() == set(items)
+        for d, v in items.items():
+            assert bytes(fetch([srv.address], KEY, d)) == v
+    # a second push is answered "already stored" and changes nothing
+    assert push_all([a.address, b.address], KEY, items) == {a.address: None, b.address: None}
+    assert a.store.nbytes == sum(len(v) for v in items.values())
+
+
+def test_push_all_reports_a_down_peer_without_hiding_the_others(servers):
+    (a,) = servers(1)
+    down = free_addr()
+    errors = push_all([down, a.address], KEY, {digest(b"v"): b"v"})
+    assert errors[a.address] is None and "cannot connect" in errors[down]
+    assert a.store.has(digest(b"v"))
+
+
+def test_fetch_falls_back_to_the_next_peer(servers):
+    empty, full = servers(2)
+    value = b"payload" * 99
+    d = digest(value)
+    full.store.put(d, value)
+    assert bytes(fetch([free_addr(), empty.address, full.address], KEY, d)) == value
+    store = BlobStore()
+    got = fetch([empty.address, full.address], KEY, d, store=store)
+    assert bytes(got) == value and store.has(d)
+    with pytest.raises(BlobError, match="not found") as e:
+        fetch([empty.address, free_addr()], KEY, "0" * 64)
+    assert "cannot connect" in str(e.value)
+
+
+def test_wrong_key_is_refused_and_logged_without_the_key(servers, caplog):
+    (srv,) = servers(1)
+    wrong = b"not-the-key-0123456789"
+    caplog.set_level(logging.INFO, logger="gpuhub.replication.blobs")
+    with pytest.raises(BlobError, match="refused|authenticat"):
+        push(srv.address, wrong, {digest(b"v"): b"v"})
+    with pytest.raises(BlobError, match="not available"):
+        fetch([srv.address], wrong, digest(b"v"))
+    assert len(srv.store) == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and all("authentication failed" in r.getMessage() for r in warnings)
+    assert not any(k in r.getMessage() for r in caplog.records for k in (repr(KEY), repr(wrong)))
+    # the server itself must prove the key too
+    (impostor,) = servers(1, key=b"impostor-key")
+    with pytest.raises(BlobError, match="refused|authenticat"):
+        push(impostor.address, KEY, {digest(b"v"): b"v"})
+    assert len(impostor.store) == 0
+    push(srv.address, KEY, {digest(b"v"): b"v"})  # and it still serves the right key
+    assert srv.store.has(digest(b"v"))
+
+
+def test_corrupt_data_is_rejected(servers, caplog):
+    (srv,) = servers(1)
+    with pytest.raises(BlobError, match="digest mismatch"):
+        push(srv.address, KEY, {digest(b"good"): b"evil"})
+    assert len(srv.store) == 0
+    assert any("digest mismatch" in r.getMessage() for r in caplog.records)
+    # a peer that serves wrong bytes for a digest is skipped by fetch
+    (liar,) = servers(1)
+    liar.store.put(digest(b"good"), b"evil")
+    srv.store.put(digest(b"good"), b"good")
+    assert bytes(fetch([liar.address, srv.address], KEY, digest(b"good"))) == b"good"
+    with pytest.raises(BlobError, match="does not match"):
+        fetch([liar.address], KEY, digest(b"good"))
+
+
+def raw_request(addr: str, payload: bytes) -> bytes:
+    """Authenticate, send ``payload`` as is, and return everything the server answers."""
+    sock = blobs._connect(addr, KEY, 5)
+    with sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+def test_malformed_and_oversize_requests_are_refused_and_the_server_goes_on(servers):
+    (srv,) = servers(1, max_blob=1000)
+    d = digest(b"v")
+    cases = {
+        "bad digest": struct.pack("!c64sQ", b"P", b"Z" * 64, 1),
+        "unknown op": struct.pack("!c64sQ", b"X", d.encode(), 0),
+        "GET with a length": struct.pack("!c64sQ", b"G", d.encode(), 5),
+        "over the limit": struct.pack("!c64sQ", b"P", d.encode(), 1 << 62),
+        "truncated": b"P" + d.encode()[:10],
+    }
+    for what, payload in cases.items():
+        answer = raw_request(srv.address, payload)
+        status, length = struct.unpack("!cQ", answer[:9])
+        assert status == b"E", what
+        assert what.split()[0] in answer[9:9 + length].decode(), answer
+    with pytest.raises(BlobError, match="over the limit"):
+        push(srv.address, KEY, {digest(b"y" * 2000): b"y" * 2000})
+    # garbage instead of a handshake
+    host, port = srv.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"\xff" * 10_000)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(100).startswith(blobs.MAGIC)
+    assert len(srv.store) == 0
+    push(srv.address, KEY, {d: b"v"})  # the next good request works
+    assert bytes(fetch([srv.address], KEY, d)) == b"v"
+    with pytest.raises(ValueError):
+        push(srv.address, KEY, {"not-a-digest": b"v"})
+
+
+def test_a_64_mib_value_round_trips(servers):
+    (srv,) = servers(1)
+    words = np.random.default_rng(1).integers(0, 2**63, (8 << 20) + 16, dtype=np.uint64)
+    value = words.view(np.uint8)[:(64 << 20) + 123]  # several leaves: the pipelined hash path
+    d = digest(value)
+    push(srv.address, KEY, {d: value})
+    assert srv.store.nbytes == value.nbytes
+    got = fetch([srv.address], KEY, d)  # verified against d on the way in
+    assert np.array_equal(np.frombuffer(got, dtype=np.uint8), value)
+
+
+def test_stop_returns_with_an_idle_connection_open(servers):
+    (srv,) = servers(1)
+    sock = blobs._connect(srv.address, KEY, 5)
+    try:
+        srv.stop()
+        assert sock.recv(1) == b""
+    finally:
+        sock.close()
