@@ -84,6 +84,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
         except ApiClientError as exc:
             raise RuntimeError(f"gpuhub could not start the kernel: {exc.message}") from None
         self._record = record
+        self._last_poll = (0.0, None)  # a restart must not reuse the dead kernel's answer
         replicas = [{"id": r.get("id", i), **r["connection"]} for i, r in enumerate(record["replicas"])]
         if self._router is None:
             self._router = KernelRouter(replicas, key.encode(), log=self.log)

@@ -15,7 +15,7 @@ from gpuhub.kernel.kernelspecs import install
 
 @pytest.fixture
 def kernelspecs(tmp_path, monkeypatch, cluster):
-    install(str(tmp_path / "prefix"), [("cpu", 0), ("gpu1", 1)], replicas=1)
+    install(str(tmp_path / "prefix"), [("cpu", 0), ("gpu1", 1)], replicas=3)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "prefix" / "share" / "jupyter"))
     monkeypatch.setenv("GPUHUB_SCHEDULER_URL", cluster["scheduler"].url)
     monkeypatch.setenv("GPUHUB_SCHEDULER_TOKEN", cluster["user_token"])
@@ -39,6 +39,15 @@ async def test_gpu_kernel_through_provisioner(kernelspecs, cluster, tmp_path):
         agent = next(a for a in cluster["agents"] if a.name == node)
         assert uuid in [g["uuid"] for g in agent.call("GET", "/api/v1/node")[1]["gpus"]]
         assert await km.is_alive()
+        # restart: the same router and ports, fresh replicas, an empty namespace everywhere
+        await kc.execute_interactive("kept = 1", timeout=30)
+        await km.restart_kernel(now=True)
+        await kc.wait_for_ready(timeout=60)
+        after = []
+        reply = await kc.execute_interactive(
+            "print('kept' in dir())", timeout=30,
+            output_hook=lambda m: after.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
+        assert reply["content"]["status"] == "ok" and "".join(after).strip() == "False"
         kc.stop_channels()
     finally:
         await km.shutdown_kernel(now=True)
