@@ -8,8 +8,10 @@ Traffic goes only to the cluster containers' own addresses.
 from __future__ import annotations
 
 import json
+import os
 import re
 import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -17,6 +19,8 @@ import uuid
 import pytest
 import requests
 import websocket
+
+from tests.cluster.conftest import CONTAINERS_CONF
 
 pytestmark = pytest.mark.cluster
 
@@ -304,3 +308,21 @@ def test_prometheus_scrapes_every_agent(cluster):
 
     series = wait_for(scraped, 45, interval=3)
     assert series, f"expected {len(agents)} gpuhub-agent series with up == 1"
+
+
+def test_zz_losing_an_idle_replicas_server_loses_nothing(cluster, alice_kernel):
+    """Runs last: `podman kill` (a power cut) of a GPU node holding an idle replica of the kernel.
+    The other two replicas are a majority: the next cell works and sees the state from before."""
+    _, channel = alice_kernel
+    out = channel.run("survivor = 41\n" + WHERE)
+    executor = out["stdout"].split()[0]
+    victim = next(n for n in cluster.groups["gpu_nodes"] if n != executor)
+    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
+    subprocess.run(["podman", "kill", cluster.containers[victim]], check=True, env=env, capture_output=True)
+    try:
+        started = time.monotonic()
+        out = channel.run("survivor += 1\nprint(survivor)", timeout=60)
+        assert out["stdout"].strip() == "42"
+        print(f"next cell after losing {victim}: {time.monotonic() - started:.1f} s")
+    finally:
+        subprocess.run(["podman", "start", cluster.containers[victim]], env=env, capture_output=True)
