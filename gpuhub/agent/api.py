@@ -52,6 +52,9 @@ class UnitsHandler(AgentHandler):
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ApiError(400, "field 'env' must map strings to strings")
         kernel = field(body, "kernel", dict, required=False, default={})
+        replica_id = kernel.get("replica_id", 0)
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            raise ApiError(400, "field 'kernel.replica_id' must be an integer >= 0")
         try:
             unit = await self.agent.start_unit(
                 name=field(body, "name", str),
@@ -63,6 +66,7 @@ class UnitsHandler(AgentHandler):
                 argv=field(body, "argv", list, required=False, default=None),
                 key=str(kernel.get("key", "")),
                 kernel_id=str(kernel.get("kernel_id", "")),
+                replica_id=replica_id,
             )
         except (UnitError, LeaseError) as exc:
             raise ApiError(400, str(exc)) from None
@@ -81,6 +85,60 @@ class UnitHandler(AgentHandler):
         self.require_admin()
         known = await self.agent.stop_unit(name)
         self.write_json({"stopped": name, "was_known": known})
+
+
+def is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return (bool(sep and host and port.isdigit()) and 0 < int(port) < 65536
+            and not any(c.isspace() or c in "/@" for c in host))
+
+
+def parse_peers(body: dict) -> list[dict]:
+    """The body of PUT /api/v1/units/{name}/peers: ``{"replicas": [{"id", "node", "raft", "blob",
+    "connection"}, …]}``, every replica of the kernel (this one included); 400 naming what is wrong."""
+    replicas = field(body, "replicas", list)
+    if not replicas:
+        raise ApiError(400, "field 'replicas' must list at least one replica")
+    out, seen = [], set()
+    for i, r in enumerate(replicas):
+        where = f"replicas[{i}]"
+        if not isinstance(r, dict):
+            raise ApiError(400, f"{where} must be an object")
+        try:
+            rid = field(r, "id", int)
+            entry = {"id": rid, "node": field(r, "node", str, required=False, default=""),
+                     "raft": field(r, "raft", str), "blob": field(r, "blob", str)}
+            conn = field(r, "connection", dict, required=False, default=None)
+        except ApiError as exc:
+            raise ApiError(400, f"{where}: {exc.message}") from None
+        if rid < 0:
+            raise ApiError(400, f"{where}: field 'id' must be >= 0, not {rid}")
+        if rid in seen:
+            raise ApiError(400, f"{where}: replica id {rid} appears twice")
+        seen.add(rid)
+        for name in ("raft", "blob"):
+            if not is_host_port(entry[name]):
+                raise ApiError(400, f"{where}: field {name!r} must be \"host:port\", not {entry[name]!r}")
+        if conn is not None:
+            entry["connection"] = conn
+        out.append(entry)
+    return out
+
+
+class PeersHandler(AgentHandler):
+    def put(self, name: str) -> None:
+        """The scheduler tells a kernel replica where its peers are (all replicas, itself included)."""
+        self.require_admin()
+        if name not in self.agent.units:
+            raise ApiError(404, f"no unit {name}")
+        replicas = parse_peers(self.json_body())
+        try:
+            path = self.agent.write_peers(name, replicas)
+        except KeyError:
+            raise ApiError(404, f"no unit {name}") from None
+        except UnitError as exc:
+            raise ApiError(400, str(exc)) from None
+        self.write_json({"unit": name, "peers_file": str(path), "replicas": [r["id"] for r in replicas]})
 
 
 class LeasesHandler(AgentHandler):
@@ -132,6 +190,7 @@ def make_app(agent: Agent, token: str) -> Application:
             (r"/api/v1/node", NodeHandler, args),
             (r"/api/v1/units", UnitsHandler, args),
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)", UnitHandler, args),
+            (r"/api/v1/units/([A-Za-z0-9_.@-]+)/peers", PeersHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
             (r"/metrics", MetricsHandler, args),

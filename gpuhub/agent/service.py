@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import sys
 import time
@@ -27,6 +28,8 @@ from gpuhub.gpus.inventory import GpuInventory, open_inventory
 log = logging.getLogger(__name__)
 
 CONNECTION_FILE = "connection.json"
+PEERS_FILE = "peers.json"  # written by PUT /api/v1/units/{name}/peers once all replicas have ports
+JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
 
 @dataclass
@@ -38,7 +41,17 @@ class UnitRecord:
     kernel_id: str = ""
     lease_token_sha256: str = ""
     created_at: float = 0.0
-    connection: dict | None = None  # kernels: ip, ports, transport, signature_scheme (no key)
+    connection: dict | None = None  # kernels: ip, 5 Jupyter ports, raft_port, blob_port, transport… (no key)
+    replica_id: int = 0  # kernels: this replica's id in its kernel's Raft group
+
+
+def raft_addr(conn: dict | None) -> str | None:
+    """``ip:raft_port`` of a kernel unit (None for units started before replication)."""
+    return f"{conn['ip']}:{conn['raft_port']}" if conn and "raft_port" in conn else None
+
+
+def blob_addr(conn: dict | None) -> str | None:
+    return f"{conn['ip']}:{conn['blob_port']}" if conn and "blob_port" in conn else None
 
 
 def sha256(s: str) -> str:
@@ -123,13 +136,21 @@ class Agent:
                 kernel_id=env.get("GPUHUB_KERNEL_ID", ""),
                 lease_token_sha256=sha256(token) if token else "",
                 created_at=time.time(),
+                connection=self._read_connection(name),
+                replica_id=int(env.get("GPUHUB_REPLICA_ID", "0") or 0),
             )
             log.warning("adopted unit %s found in systemd but not in the state file", name)
         for name in list(self.units):
             st = await self.runner.status(name)
             if not st.active and st.state in ("gone", "inactive"):
+                # The agent never restarts a unit and the scheduler drops the replica: its
+                # journal can never be used again.
                 log.info("unit %s is no longer running; forgetting it", name)
                 self._forget(name)
+                self._remove_journal(name)
+        if self.config.unit_backend == "systemd" and self.journal_root().is_dir():
+            for d in self._journal_parents():  # systemd resets StateDirectoryMode= at each agent start
+                os.chmod(d, 0o711)
         for raw in data.get("leases", []):
             lease = Lease.from_dict(raw)
             if lease.holder in self.units and pid_alive(lease.holder_pid):
@@ -140,6 +161,32 @@ class Agent:
         self._sync_fake()
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
+
+    def _read_connection(self, name: str) -> dict | None:
+        try:
+            conn = json.loads((self.runner.unit_dir(name) / CONNECTION_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        conn.pop("key", None)
+        return conn
+
+    # --- journals (a kernel replica's Raft log on local disk) ----------------
+    def journal_root(self) -> Path:
+        return Path(self.config.state_dir) / "journals"
+
+    def journal_dir(self, name: str) -> Path:
+        if not UNIT_NAME.match(name):  # never a path like ".." from a request
+            raise UnitError(f"not a unit name: {name!r}")
+        return self.journal_root() / name
+
+    def _journal_parents(self) -> tuple[Path, ...]:
+        """Root-owned 0711 under systemd: a unit's user reaches its own journal directory but
+        cannot list the others (like /run/gpuhub/units)."""
+        return (Path(self.config.state_dir), self.journal_root())
+
+    def _remove_journal(self, name: str) -> None:
+        if UNIT_NAME.match(name):
+            shutil.rmtree(self.journal_dir(name), ignore_errors=True)  # does not follow symlinks
 
     # --- GPUs ----------------------------------------------------------------
     def gpus(self) -> list:
@@ -188,9 +235,11 @@ class Agent:
         return f"http://{host}:{self.config.port}"
 
     async def start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
-                         argv: list[str] | None, key: str = "", kernel_id: str = "") -> dict:
+                         argv: list[str] | None, key: str = "", kernel_id: str = "", replica_id: int = 0) -> dict:
         if not UNIT_NAME.match(name) or not name.startswith(f"gpuhub-{kind}-"):
             raise UnitError(f"unit name must look like gpuhub-{kind}-<id> (lowercase), not {name!r}")
+        if replica_id < 0:
+            raise UnitError(f"replica_id must not be negative, not {replica_id}")
         if gpus < 0 or gpus > self.book.gpu_count:
             raise LeaseError(f"unit asks for {gpus} GPU(s) per cell but this node has {self.book.gpu_count}")
         if name in self.units:
@@ -203,25 +252,27 @@ class Agent:
         record = UnitRecord(name=name, kind=kind, user=user, gpus=gpus, kernel_id=kernel_id, created_at=time.time())
         files = {}
         env = dict(env)
+        journal: Path | None = None
         if kind == "kernel":
             if not key:
                 raise UnitError("a kernel unit needs the kernel's connection key")
             token = secrets.token_urlsafe(32)
             record.lease_token_sha256 = sha256(token)
-            ports = free_ports(self.config.kernel_ip, 5)
+            record.replica_id = replica_id
+            ports = free_ports(self.config.kernel_ip, len(JUPYTER_PORTS) + 2)
             conn = {
                 "ip": self.config.kernel_ip,
                 "transport": "tcp",
                 "signature_scheme": "hmac-sha256",
-                "shell_port": ports[0],
-                "iopub_port": ports[1],
-                "stdin_port": ports[2],
-                "control_port": ports[3],
-                "hb_port": ports[4],
+                **dict(zip(JUPYTER_PORTS, ports[:5], strict=True)),
                 "kernel_name": "",
+                "raft_port": ports[5],  # Raft (pysyncobj) between the kernel's replicas
+                "blob_port": ports[6],  # large values, replica to replica
             }
             record.connection = conn
             files[CONNECTION_FILE] = json.dumps({**conn, "key": key})
+            udir = self.runner.unit_dir(name)
+            journal = self.journal_dir(name)
             env.update(
                 GPUHUB_AGENT_URL=self.local_agent_url(),
                 GPUHUB_LEASE_TOKEN=token,
@@ -229,8 +280,13 @@ class Agent:
                 GPUHUB_KERNEL_ID=kernel_id,
                 GPUHUB_NODE=self.config.node_name,
                 GPUHUB_NOTEBOOK_DIR=cwd,
+                GPUHUB_REPLICA_ID=str(replica_id),
+                GPUHUB_PEERS_FILE=str(udir / PEERS_FILE),
+                GPUHUB_JOURNAL_DIR=str(journal),
+                GPUHUB_RAFT_ADDR=raft_addr(conn),
+                GPUHUB_BLOB_ADDR=blob_addr(conn),
             )
-            argv = self.kernel_command(self.runner.unit_dir(name) / CONNECTION_FILE)
+            argv = self.kernel_command(udir / CONNECTION_FILE)
             memory, cpu = limits.get("kernel_memory_max", ""), limits.get("kernel_cpu_quota", "")
         else:
             if not argv or not all(isinstance(a, str) for a in argv):
@@ -238,7 +294,16 @@ class Agent:
             memory, cpu = limits.get("server_memory_max", ""), limits.get("server_cpu_quota", "")
         spec = UnitSpec(name=name, kind=kind, user=user, argv=argv, env=env, cwd=cwd,
                         memory_max=memory, cpu_quota=cpu, files=files)
-        st = await self.runner.start(spec)
+        fresh_journal = journal is not None and not journal.exists()
+        try:
+            if journal is not None:
+                # Kept if it exists: a replica started again under its name catches up from it.
+                self.runner.user_dir(journal, user, traverse=self._journal_parents())
+            st = await self.runner.start(spec)
+        except BaseException:
+            if fresh_journal:
+                self._remove_journal(name)
+            raise
         self.units[name] = record
         if kind == "kernel":
             self.book.place(name, gpus)
@@ -248,12 +313,41 @@ class Agent:
 
     async def stop_unit(self, name: str) -> bool:
         known = name in self.units
+        if not UNIT_NAME.match(name):
+            return False  # nothing of ours has that name; never touch paths built from it
         await self.runner.stop(name)
+        self._remove_journal(name)
         if known:
             self._forget(name)
             self.save()
             log.info("stopped unit %s", name)
         return known
+
+    def write_peers(self, name: str, replicas: list[dict]) -> Path:
+        """Write the kernel's replica list (validated by the API) into the unit's peers.json.
+
+        Called once all replicas are started, and again whenever a replica is replaced.
+        """
+        u = self.units.get(name)
+        if u is None:
+            raise KeyError(name)
+        if u.kind != "kernel":
+            raise UnitError(f"{name} is a {u.kind} unit; peers are for kernel units")
+        mine = next((r for r in replicas if r["id"] == u.replica_id), None)
+        if mine is None:
+            raise UnitError(f"{name} is replica {u.replica_id}; the replicas list must include it "
+                            f"(it has ids {sorted(r['id'] for r in replicas)})")
+        for what, own in (("raft", raft_addr(u.connection)), ("blob", blob_addr(u.connection))):
+            if own is not None and mine[what] != own:
+                raise UnitError(f"replica {u.replica_id}'s {what} address is {own} on this node, not {mine[what]}")
+        udir = self.runner.unit_dir(name)
+        if not udir.is_dir():
+            raise UnitError(f"{name} has no unit directory on this node (it is not running)")
+        path = udir / PEERS_FILE
+        doc = {"kernel_id": u.kernel_id, "replicas": sorted(replicas, key=lambda r: r["id"])}
+        self.runner.write_user_file(path, json.dumps(doc, indent=1) + "\n", u.user, 0o600)
+        log.info("peers of %s: %s", name, ", ".join(f"{r['id']}@{r.get('node') or r['raft']}" for r in doc["replicas"]))
+        return path
 
     def _forget(self, name: str) -> None:
         self.units.pop(name, None)

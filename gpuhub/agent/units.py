@@ -13,6 +13,8 @@ import logging
 import os
 import pwd
 import re
+import secrets
+import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -60,17 +62,25 @@ def lookup_user(name: str, min_uid: int) -> pwd.struct_passwd:
 
 
 def write_private(path: Path, content: str, uid: int, gid: int, mode: int = 0o400) -> None:
-    """Write a file only its owner can read, without a moment where others could."""
+    """Write a file only its owner can read, atomically, without a moment where others could.
+
+    Safe in a directory the unit's user owns (peers.json is rewritten while the unit runs): the
+    temporary file has a fresh random name and is created with O_EXCL|O_NOFOLLOW, so a symlink the
+    user planted is never followed, and ownership and mode are set on the open file, not a path.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, content.encode())
-    finally:
-        os.close(fd)
-    os.chown(tmp, uid, gid)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content.encode())
+            f.flush()
+            os.fchown(f.fileno(), uid, gid)
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def env_file_text(env: dict[str, str]) -> str:
@@ -111,8 +121,25 @@ class SystemdRunner:
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o711)
 
+    def user_dir(self, path: Path, user: str, traverse: tuple[Path, ...] = ()) -> None:
+        """Create ``path`` for the unit's user alone (0700, owned by the user). The root-owned
+        directories in ``traverse`` (``path``'s parents) become 0711: the user passes, cannot list."""
+        pw = lookup_user(user, self.min_uid)
+        for d in traverse:
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o711)
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+        os.chmod(path, 0o700)
+
+    def write_user_file(self, path: Path, content: str, user: str, mode: int = 0o600) -> None:
+        """Atomically (re)write a file the unit's user owns (e.g. its peers.json)."""
+        pw = lookup_user(user, self.min_uid)
+        write_private(path, content, pw.pw_uid, pw.pw_gid, mode)
+
     async def start(self, spec: UnitSpec) -> UnitStatus:
         pw = lookup_user(spec.user, self.min_uid)
+        env_text = env_file_text(spec.env)  # refuse a bad environment before creating anything
         self._traversable_units_dir()
         udir = self.unit_dir(spec.name)
         udir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +149,7 @@ class SystemdRunner:
             write_private(udir / fname, content, pw.pw_uid, pw.pw_gid)
         # The environment file is read by PID 1 (root), so it stays root-owned 0400.
         env_path = self.runtime_dir / "units" / f"{spec.name}.env"
-        write_private(env_path, env_file_text(spec.env), 0, 0)
+        write_private(env_path, env_text, 0, 0)
         cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else pw.pw_dir
         props = [
             f"EnvironmentFile={env_path}",
@@ -169,11 +196,8 @@ class SystemdRunner:
 
     def cleanup_files(self, name: str) -> None:
         (self.runtime_dir / "units" / f"{name}.env").unlink(missing_ok=True)
-        udir = self.unit_dir(name)
-        if udir.is_dir():
-            for f in udir.iterdir():
-                f.unlink(missing_ok=True)
-            udir.rmdir()
+        # rmtree does not follow symlinks; the unit's user may have left anything in its directory.
+        shutil.rmtree(self.unit_dir(name), ignore_errors=True)
 
     def read_env(self, name: str) -> dict[str, str]:
         """Recover a unit's environment (its lease token) after an agent restart."""
@@ -199,14 +223,31 @@ class ProcessRunner(SystemdRunner):
         super().__init__(runtime_dir, min_uid)
         self._procs: dict[str, subprocess.Popen] = {}
 
-    async def start(self, spec: UnitSpec) -> UnitStatus:
+    @staticmethod
+    def _me(user: str) -> pwd.struct_passwd:
         me = pwd.getpwuid(os.getuid())
-        if spec.user != me.pw_name:
-            raise UnitError(f"the process backend runs units as {me.pw_name!r} only, not {spec.user!r}")
+        if user != me.pw_name:
+            raise UnitError(f"the process backend runs units as {me.pw_name!r} only, not {user!r}")
+        return me
+
+    def user_dir(self, path: Path, user: str, traverse: tuple[Path, ...] = ()) -> None:
+        self._me(user)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path, 0o700)
+
+    def write_user_file(self, path: Path, content: str, user: str, mode: int = 0o600) -> None:
+        me = self._me(user)
+        write_private(path, content, me.pw_uid, me.pw_gid, mode)
+
+    async def start(self, spec: UnitSpec) -> UnitStatus:
+        me = self._me(spec.user)
+        env_text = env_file_text(spec.env)
         udir = self.unit_dir(spec.name)
         udir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for fname, content in spec.files.items():
             write_private(udir / fname, content, me.pw_uid, me.pw_gid)
+        # Like systemd's: the agent reads it back after a restart (lease token, replica id).
+        write_private(self.runtime_dir / "units" / f"{spec.name}.env", env_text, me.pw_uid, me.pw_gid)
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
         env.update(spec.env)
         cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir
@@ -267,9 +308,6 @@ class ProcessRunner(SystemdRunner):
             except (ProcessLookupError, FileNotFoundError):
                 pass
         self.cleanup_files(name)
-
-    def read_env(self, name: str) -> dict[str, str]:
-        return {}
 
 
 def make_runner(backend: str, runtime_dir: str, min_uid: int) -> SystemdRunner:

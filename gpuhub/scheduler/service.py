@@ -6,6 +6,7 @@ agents report. Its books are persisted, and rebuilt from the agents' units on st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -21,6 +22,11 @@ from gpuhub.web import ApiClientError, call_json
 log = logging.getLogger(__name__)
 
 KERNEL_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
+
+
+def replica_unit(kernel_id: str, replica_id: int) -> str:
+    return f"gpuhub-kernel-{kernel_id}-r{replica_id}"
 
 
 @dataclass
@@ -35,7 +41,23 @@ class NodeRecord:
 class ReplicaRecord:
     node: str
     unit: str
-    connection: dict | None = None
+    connection: dict | None = None  # from the agent: ip, 5 Jupyter ports, raft_port, blob_port, … (no key)
+    id: int = -1  # the replica's id in the kernel's Raft group; books before replication: from "-r<i>"
+    state: str = "unknown"  # the unit's state when the scheduler last asked its agent
+
+    def __post_init__(self) -> None:
+        if self.id is None or self.id < 0:
+            m = REPLICA_SUFFIX.search(self.unit)
+            self.id = int(m.group(1)) if m else 0
+
+    def peer(self) -> dict:
+        """This replica's entry in its kernel's peers document (PUT /api/v1/units/{name}/peers)."""
+        conn = self.connection or {}
+        if "raft_port" not in conn or "blob_port" not in conn:
+            raise ValueError(f"the agent of {self.node} reported no raft/blob ports for {self.unit} "
+                             "(is it older than the scheduler?)")
+        return {"id": self.id, "node": self.node, "raft": f"{conn['ip']}:{conn['raft_port']}",
+                "blob": f"{conn['ip']}:{conn['blob_port']}", "connection": conn}
 
 
 @dataclass
@@ -136,15 +158,9 @@ class Scheduler:
         record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time())
         try:
             for i, node in enumerate(chosen):
-                unit = f"gpuhub-kernel-{kernel_id}-r{i}"
-                _, started = await call_json(
-                    "POST", self.nodes[node.name].url + "/api/v1/units", self.agent_token,
-                    {"name": unit, "kind": "kernel", "user": user, "gpus": gpus, "cwd": cwd,
-                     "kernel": {"key": key, "kernel_id": kernel_id}},
-                )
-                record.replicas.append(ReplicaRecord(node.name, unit, started.get("connection")))
-                # Count it now so the next placement sees it before the next heartbeat.
-                self.nodes[node.name].info["pending"] = int(self.nodes[node.name].info.get("pending", 0)) + gpus
+                record.replicas.append(await self._start_replica(record, i, node.name, key, cwd))
+            # Only now are all addresses known: every replica learns the whole group.
+            await self._send_peers(record)
         except ApiClientError:
             self.counters["placement_failures"] += 1
             for rep in record.replicas:  # all or nothing
@@ -155,6 +171,39 @@ class Scheduler:
         self.save()
         log.info("kernel %s of %s placed on %s", kernel_id, user, ", ".join(r.node for r in record.replicas))
         return record
+
+    async def _start_replica(self, record: KernelRecord, replica_id: int, node: str, key: str,
+                             cwd: str) -> ReplicaRecord:
+        """Start one replica unit; its peers come later (:meth:`_send_peers`)."""
+        unit = replica_unit(record.kernel_id, replica_id)
+        _, started = await call_json(
+            "POST", self.nodes[node].url + "/api/v1/units", self.agent_token,
+            {"name": unit, "kind": "kernel", "user": record.user, "gpus": record.gpus, "cwd": cwd,
+             "kernel": {"key": key, "kernel_id": record.kernel_id, "replica_id": replica_id}},
+        )
+        # Count it now so the next placement sees it before the next heartbeat.
+        self.nodes[node].info["pending"] = int(self.nodes[node].info.get("pending", 0)) + record.gpus
+        return ReplicaRecord(node, unit, started.get("connection"), id=replica_id,
+                             state=started.get("state", "unknown"))
+
+    def peers_document(self, record: KernelRecord) -> dict:
+        return {"replicas": [rep.peer() for rep in sorted(record.replicas, key=lambda r: r.id)]}
+
+    async def _send_peers(self, record: KernelRecord) -> None:
+        """PUT the whole group (every replica, itself included) to every replica's agent.
+
+        Idempotent: after replacing a replica (a new node, new addresses), call it again and every
+        replica's peers.json is rewritten. Raises ApiClientError if an agent refuses or is down.
+        """
+        try:
+            doc = self.peers_document(record)
+        except ValueError as exc:
+            raise ApiClientError(502, str(exc), "") from None
+        for rep in record.replicas:
+            node = self.nodes.get(rep.node)
+            if node is None:
+                raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
+            await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
 
     async def _stop_replica(self, rep: ReplicaRecord) -> None:
         node = self.nodes.get(rep.node)
@@ -179,17 +228,19 @@ class Scheduler:
         record = self.kernels.get(kernel_id)
         if record is None:
             return None
-        view = record.view()
-        for rep in view["replicas"]:
-            node = self.nodes.get(rep["node"])
-            rep["state"] = "unknown"
-            if node is not None:
-                try:
-                    _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep['unit']}", self.agent_token, timeout=5)
-                    rep["state"] = unit.get("state", "unknown")
-                except ApiClientError as exc:
-                    rep["state"] = "gone" if exc.status == 404 else "unreachable"
-        return view
+        await asyncio.gather(*(self._refresh_state(rep) for rep in record.replicas))
+        return record.view()
+
+    async def _refresh_state(self, rep: ReplicaRecord) -> None:
+        node = self.nodes.get(rep.node)
+        if node is None:
+            rep.state = "unknown"
+            return
+        try:
+            _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token, timeout=5)
+            rep.state = unit.get("state", "unknown")
+        except ApiClientError as exc:
+            rep.state = "gone" if exc.status == 404 else "unreachable"
 
     async def reconcile(self) -> None:
         """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones."""
@@ -212,8 +263,14 @@ class Scheduler:
                 if rec is None:
                     rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [], time.time())
                     log.warning("reconcile: adopted kernel %s found on %s", kid, node.name)
-                if not any(r.unit == name for r in rec.replicas):
-                    rec.replicas.append(ReplicaRecord(node.name, name, u.get("connection")))
+                known = next((r for r in rec.replicas if r.unit == name), None)
+                if known is None:
+                    rid = u.get("replica_id")
+                    rec.replicas.append(ReplicaRecord(node.name, name, u.get("connection"),
+                                                      id=rid if isinstance(rid, int) else -1,
+                                                      state=u.get("state", "unknown")))
+                else:
+                    known.state = u.get("state", known.state)
         for kid, rec in list(self.kernels.items()):
             rec.replicas = [r for r in rec.replicas if r.node not in seen or r.unit in seen[r.node]]
             if not rec.replicas:

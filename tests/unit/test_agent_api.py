@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
-import pytest
+import secrets
+import subprocess
 
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from gpuhub.agent.units import ProcessRunner
 from gpuhub.config import ConfigError, load_agent_config
-from tests.integration.test_gpu_cells import run, start_kernel
+from gpuhub.devcluster import current_user
+from tests.integration.test_gpu_cells import run
+
+
+def start_unit(agent, name="gpuhub-kernel-t1", gpus=1):
+    """A kernel unit, without waiting for the kernel (these tests are about the agent)."""
+    key = secrets.token_hex(16)
+    status, unit = agent.call("POST", "/api/v1/units", {
+        "name": name, "kind": "kernel", "user": current_user(), "gpus": gpus,
+        "kernel": {"key": key, "kernel_id": name}})
+    assert status == 201, unit
+    return key, unit
+
+
+def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1):
+    """A working kernel: a group of one replica (its peers.json names only itself), and a client."""
+    key, unit = start_unit(agent, name, gpus)
+    conn = unit["connection"]
+    status, body = agent.call("PUT", f"/api/v1/units/{name}/peers", {"replicas": [{
+        "id": 0, "node": agent.name, "raft": f"{conn['ip']}:{conn['raft_port']}",
+        "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
+    assert status == 200, body
+    kc = BlockingKernelClient()
+    kc.load_connection_info({**conn, "key": key})
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return kc, unit
 
 
 def test_token_required(make_agent):
@@ -52,8 +83,7 @@ def test_systemd_backend_refuses_root(tmp_path):
 
 def test_lease_limited_to_placed_gpus(make_agent):
     a = make_agent(gpus=2)
-    kc, _ = start_kernel(a, gpus=1)
-    kc.stop_channels()
+    start_unit(a, gpus=1)
     token = _lease_token(a, "gpuhub-kernel-t1")
     status, body = a.call("POST", "/api/v1/leases", {"gpus": 2}, token=token)
     assert status == 400 and "placed with 1" in body["error"]
@@ -64,24 +94,21 @@ def test_lease_limited_to_placed_gpus(make_agent):
 
 
 def _lease_token(agent, unit):
-    # The process backend keeps the unit's env in memory only; read it from the kernel's /proc environ.
-    _, u = agent.call("GET", f"/api/v1/units/{unit}")
-    env = open(f"/proc/{u['main_pid']}/environ", "rb").read().split(b"\0")
-    return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"GPUHUB_LEASE_TOKEN="))
+    """From the unit's environment file (the process backend writes one like systemd's)."""
+    return ProcessRunner(str(agent.dir / "run"), 0).read_env(unit)["GPUHUB_LEASE_TOKEN"]
 
 
 def test_dead_holder_lease_expires(make_agent):
-    import os
-    import signal
     import time
 
     a = make_agent(gpus=1)
-    kc, unit = start_kernel(a, gpus=1)
-    kc.stop_channels()
+    start_unit(a, gpus=1)
     token = _lease_token(a, "gpuhub-kernel-t1")
-    assert a.call("POST", "/api/v1/leases", {"gpus": 1, "holder_pid": unit["main_pid"]}, token=token)[0] == 200
+    holder = subprocess.Popen(["sleep", "60"])  # stands for the forked cell child holding the GPU
+    assert a.call("POST", "/api/v1/leases", {"gpus": 1, "holder_pid": holder.pid}, token=token)[0] == 200
     assert a.call("GET", "/api/v1/node")[1]["committed"] == 1
-    os.kill(unit["main_pid"], signal.SIGKILL)
+    holder.kill()
+    holder.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and a.call("GET", "/api/v1/node")[1]["committed"]:
         time.sleep(0.2)
@@ -94,7 +121,7 @@ def test_agent_restart_keeps_units_and_leases(make_agent):
     kc, _ = start_kernel(a, gpus=1)
     run(kc, "x = 41")
     token = _lease_token(a, "gpuhub-kernel-t1")
-    status, lease = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
+    status, _ = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
     assert status == 200
     a.stop(kill=True)
     a.start()

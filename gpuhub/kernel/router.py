@@ -1,0 +1,548 @@
+"""The kernel router: N kernel replicas shown to a Jupyter server as one ordinary kernel (DESIGN D3).
+
+A gpuhub kernel runs as N replicas, each an ipykernel-based process with its own five ZeroMQ
+ports, all sharing the kernel's one HMAC key. The router runs inside the user's Jupyter server (the
+provisioner starts it; ``gpuhub`` can run one from the CLI), so there is no central gateway: it
+scales with the users and dies with the server that owns it.
+
+What it does, and why:
+
+* shell/control requests go to every live replica, because every replica must see every request
+  (the cell's msg_id is the key the replicas agree on; see gpuhub/kernel/replica.py);
+* of the N replies, the client gets one: for ``execute_reply`` the executor's (replicas mark it in
+  ``metadata["gpuhub"]``), for anything else the first; iopub ``status``/``execute_input`` are
+  de-duplicated so the client sees one busy and one idle per request, the idle being that of the
+  replica whose reply it got; other outputs pass as they come (followers are silent by design);
+* messages are forwarded as raw frames, never re-signed: the replicas already sign with the
+  kernel's key, and re-signing would mean the router could forge anything. It still checks every
+  signature, so a peer without the key cannot use it as a relay;
+* it answers the client's heartbeat itself while a majority of replicas answers its own pings,
+  because that is exactly when the kernel can still commit (Raft): below a majority, the Jupyter
+  server must see the kernel as dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+DELIM = b"<IDS|MSG>"
+PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+# Requests that get busy/idle on iopub but no reply: their idle cannot wait for a reply.
+NO_REPLY_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
+
+
+@dataclass
+class _Msg:
+    """A verified message: the raw frames (forwarded unchanged) and its decoded headers."""
+
+    frames: list[bytes]
+    idx: int  # index of DELIM; frames[:idx] are the routing identities
+    header: dict[str, Any]
+    parent: dict[str, Any]
+
+    @property
+    def idents(self) -> tuple[bytes, ...]:
+        return tuple(self.frames[: self.idx])
+
+    @property
+    def msg_type(self) -> str:
+        return str(self.header.get("msg_type", ""))
+
+    @property
+    def parent_id(self) -> str:
+        return str(self.parent.get("msg_id", "") or "")
+
+    def metadata(self) -> dict[str, Any]:
+        return _loads(self.frames[self.idx + 4])
+
+    def content(self) -> dict[str, Any]:
+        return _loads(self.frames[self.idx + 5])
+
+
+def _loads(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class _Request:
+    """What the router must remember about one client request until its replicas are done."""
+
+    msg_type: str  # "" when first seen as a parent on iopub (not sent through this router)
+    created: float
+    answered_by: int | None = None
+    finished: bool = False
+    busy_sent: bool = False
+    input_sent: bool = False
+    idle_sent: bool = False
+    statuses_sent: set[str] = field(default_factory=set)
+    idles: dict[int, list[bytes]] = field(default_factory=dict)  # held until the answerer is known
+    stdin_replica: int | None = None
+
+    @property
+    def expects_reply(self) -> bool:
+        return bool(self.msg_type) and self.msg_type not in NO_REPLY_TYPES
+
+
+@dataclass
+class _Replica:
+    id: int
+    ip: str
+    ports: dict[str, int]
+    last_seen: float
+    live: bool = True
+    answered: bool = False  # has answered a heartbeat at least once
+    grace_s: float = 0.0  # extra time to answer the first heartbeat
+    sockets: dict[str, zmq.asyncio.Socket] = field(default_factory=dict)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def url(self, key: str) -> str:
+        return f"tcp://{self.ip}:{self.ports[key]}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.ports.get('shell_port')}"
+
+
+class KernelRouter:
+    """One kernel's router. Run it on the asyncio loop; all methods must be called on that loop."""
+
+    # Bounds on request state. An unanswered execute_request may legitimately wait for hours (a
+    # long cell); finished ones are kept a while so a slow replica's late busy/idle/reply for the
+    # same request is still recognised as a duplicate and dropped.
+    request_ttl_s: float = 24 * 3600.0
+    finished_ttl_s: float = 600.0
+    max_requests: int = 10_000
+    # A replica that has never answered a heartbeat is still starting (an ipykernel takes a second
+    # or more): it counts as live for this long, so a router started together with its replicas
+    # does not declare the kernel dead before it ever ran.
+    startup_grace_s: float = 30.0
+
+    def __init__(self, replicas: list[dict], key: bytes, *, ip: str = "127.0.0.1",
+                 ports: dict | None = None, signature_scheme: str = "hmac-sha256",
+                 log: logging.Logger | None = None, hb_interval_s: float = 1.0,
+                 hb_timeout_s: float = 3.0):
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.key = key.encode() if isinstance(key, str) else bytes(key)
+        self.ip = ip
+        self.signature_scheme = signature_scheme
+        self.log = log or logging.getLogger(__name__)
+        self.hb_interval_s = hb_interval_s
+        self.hb_timeout_s = hb_timeout_s
+        self._want_ports = {k: int((ports or {}).get(k) or 0) for k in PORT_KEYS}
+        scheme, _, digest = signature_scheme.partition("-")
+        if scheme != "hmac" or not digest:
+            raise ValueError(f"unsupported signature scheme {signature_scheme!r}")
+        if digest not in hashlib.algorithms_available:
+            raise ValueError(f"unsupported signature scheme {signature_scheme!r}")
+        self._digest = digest
+        now = time.monotonic()
+        self._replicas: dict[int, _Replica] = {}
+        for r in replicas:
+            rep = self._make_replica(r, now)
+            if rep.id in self._replicas:
+                raise ValueError(f"duplicate replica id {rep.id}")
+            self._replicas[rep.id] = rep
+        self._ctx: zmq.asyncio.Context | None = None
+        self._client: dict[str, zmq.asyncio.Socket] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._requests: OrderedDict[str, _Request] = OrderedDict()
+        self._stdin_owner: dict[tuple[bytes, ...], tuple[int, float]] = {}
+        self._startup_status_sent: set[str] = set()
+        self._info: dict | None = None
+        self._stopped = False
+
+    # ---------------------------------------------------------------- public API
+
+    async def start(self) -> dict:
+        """Bind the client-facing ports, connect to the replicas; return the connection info."""
+        if self._info is not None:
+            return dict(self._info)
+        if self._stopped:
+            raise RuntimeError("router was stopped")
+        self._ctx = zmq.asyncio.Context()
+        kinds = {"shell_port": zmq.ROUTER, "control_port": zmq.ROUTER, "stdin_port": zmq.ROUTER,
+                 "iopub_port": zmq.PUB, "hb_port": zmq.ROUTER}
+        info: dict[str, Any] = {"ip": self.ip, "transport": "tcp"}
+        try:
+            for key, kind in kinds.items():
+                sock = self._ctx.socket(kind)
+                sock.linger = 0
+                self._client[key] = sock
+                if self._want_ports[key]:
+                    sock.bind(f"tcp://{self.ip}:{self._want_ports[key]}")
+                    info[key] = self._want_ports[key]
+                else:
+                    info[key] = sock.bind_to_random_port(f"tcp://{self.ip}")
+        except zmq.ZMQError:
+            await self.stop()
+            raise
+        info["signature_scheme"] = self.signature_scheme
+        info["key"] = self.key
+        now = time.monotonic()
+        for rep in self._replicas.values():
+            rep.last_seen = now  # all count as live until the first heartbeat round can tell
+            rep.grace_s = self.startup_grace_s
+            self._connect(rep)
+        pumps = (("shell_port", self._on_client_request, "client shell"),
+                 ("control_port", self._on_client_request, "client control"),
+                 ("stdin_port", self._on_client_stdin, "client stdin"),
+                 ("hb_port", self._on_client_hb, "client heartbeat"))
+        for key, handler, what in pumps:
+            self._tasks.append(asyncio.ensure_future(
+                self._pump(self._client[key], handler, what, channel=key)))
+        self._tasks.append(asyncio.ensure_future(self._heartbeat_loop()))
+        self._info = info
+        self.log.info("kernel router on %s for replicas %s", self.ip,
+                      ", ".join(f"{r.id}@{r.address}" for r in self._replicas.values()))
+        return dict(info)
+
+    def replace_replica(self, replica: dict) -> None:
+        """A replica with the same id now runs at a new address: reconnect its sockets there."""
+        new = self._make_replica(replica, time.monotonic())
+        old = self._replicas.get(new.id)
+        if old is None:
+            raise KeyError(f"no replica with id {new.id}")
+        self._disconnect(old)
+        new.live = False  # until it answers; it gets no startup grace (see _is_live)
+        self._replicas[new.id] = new
+        # Forget what the old process asked or answered: its idles and input requests are moot.
+        for req in self._requests.values():
+            req.idles.pop(new.id, None)
+        for ident, (rid, _) in list(self._stdin_owner.items()):
+            if rid == new.id:
+                del self._stdin_owner[ident]
+        if self._ctx is not None and not self._stopped:
+            self._connect(new)
+        self.log.info("replica %s moved from %s to %s", new.id, old.address, new.address)
+
+    def live_replicas(self) -> list[int]:
+        now = time.monotonic()
+        return sorted(r.id for r in self._replicas.values() if self._is_live(r, now))
+
+    def majority_alive(self) -> bool:
+        return 2 * len(self.live_replicas()) > len(self._replicas)
+
+    async def stop(self) -> None:
+        """Close every socket and task. Safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        tasks = list(self._tasks)
+        for rep in self._replicas.values():
+            tasks += rep.tasks
+            self._disconnect(rep)
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in self._client.values():
+            sock.close(linger=0)
+        self._client = {}
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        self._requests.clear()
+        self._stdin_owner.clear()
+
+    # ---------------------------------------------------------------- replicas' sockets
+
+    @staticmethod
+    def _make_replica(r: dict, now: float) -> _Replica:
+        ports = {k: int(r[k]) for k in PORT_KEYS}
+        return _Replica(id=int(r["id"]), ip=str(r.get("ip") or "127.0.0.1"), ports=ports,
+                        last_seen=now)
+
+    def _connect(self, rep: _Replica) -> None:
+        assert self._ctx is not None
+        # shell and stdin must share a routing id: the kernel sends input_request on its stdin
+        # ROUTER to the identity it saw on shell.
+        routing_id = f"gpuhub-router-{id(self):x}-{rep.id}-{time.monotonic_ns():x}".encode()
+        for key, kind in (("shell_port", zmq.DEALER), ("control_port", zmq.DEALER),
+                          ("stdin_port", zmq.DEALER), ("hb_port", zmq.DEALER),
+                          ("iopub_port", zmq.SUB)):
+            sock = self._ctx.socket(kind)
+            # Short linger: a dying router must not hang on messages for a dead replica.
+            sock.linger = 500
+            # Reconnect quickly: a replica that restarts on the same address is back within 1 s.
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            # ZMTP heartbeats notice a peer whose host vanished (no RST), so IMMEDIATE kicks in.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(self.hb_interval_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(300, int(self.hb_timeout_s * 1000)))
+            if kind == zmq.DEALER:
+                # IMMEDIATE: never queue a request for a replica that is not connected, or it
+                # would be delivered when the replica comes back, long after the client moved on.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+                if key in ("shell_port", "stdin_port"):
+                    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            else:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(rep.url(key))
+            rep.sockets[key] = sock
+        handlers = {"shell_port": self._on_replica_reply, "control_port": self._on_replica_reply,
+                    "stdin_port": self._on_replica_stdin, "iopub_port": self._on_replica_iopub,
+                    "hb_port": self._on_replica_hb}
+        for key, handler in handlers.items():
+            what = f"replica {rep.id} {key.removesuffix('_port')}"
+            rep.tasks.append(asyncio.ensure_future(
+                self._pump(rep.sockets[key], handler, what, replica=rep, channel=key)))
+
+    def _disconnect(self, rep: _Replica) -> None:
+        for t in rep.tasks:
+            t.cancel()
+        rep.tasks = []
+        for sock in rep.sockets.values():
+            sock.close(linger=0)
+        rep.sockets = {}
+
+    # ---------------------------------------------------------------- plumbing
+
+    async def _pump(self, sock: zmq.asyncio.Socket, handler, what: str, *,
+                    replica: _Replica | None = None, channel: str = "") -> None:
+        """Receive from one socket forever; one bad message never stops the router."""
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if sock.closed or e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.log.warning("receive on %s failed: %s", what, e)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                if channel == "hb_port":  # heartbeats are bare frames, not signed messages
+                    await handler(frames, replica)
+                    continue
+                msg = self._verify(frames, what)
+                if msg is None:
+                    continue
+                if replica is None:
+                    await handler(msg, channel)
+                else:
+                    await handler(msg, replica, channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("error handling a message from %s", what)
+
+    def _verify(self, frames: list[bytes], what: str) -> _Msg | None:
+        try:
+            idx = frames.index(DELIM)
+        except ValueError:
+            idx = -1
+        if idx < 0 or len(frames) < idx + 6:
+            self.log.warning("dropped a malformed message from %s", what)
+            return None
+        if self.key:
+            mac = hmac.new(self.key, digestmod=self._digest)
+            for part in frames[idx + 2: idx + 6]:
+                mac.update(part)
+            if not hmac.compare_digest(mac.hexdigest().encode(), bytes(frames[idx + 1])):
+                self.log.warning("dropped a message with a bad signature from %s", what)
+                return None
+        header, parent = _loads(frames[idx + 2]), _loads(frames[idx + 3])
+        if not header.get("msg_type"):
+            self.log.warning("dropped a malformed message from %s", what)
+            return None
+        return _Msg(frames, idx, header, parent)
+
+    async def _send(self, sock: zmq.asyncio.Socket | None, frames: list[bytes], what: str) -> bool:
+        if sock is None or sock.closed:
+            return False
+        try:
+            # DONTWAIT: a DEALER with IMMEDIATE and no connected replica raises Again at once.
+            await sock.send_multipart(frames, flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:
+            self.log.debug("could not send to %s (not connected or full)", what)
+        except zmq.ZMQError as e:
+            self.log.warning("send to %s failed: %s", what, e)
+        return False
+
+    # ---------------------------------------------------------------- request bookkeeping
+
+    def _request(self, msg_id: str, msg_type: str = "") -> _Request:
+        req = self._requests.get(msg_id)
+        if req is None:
+            req = _Request(msg_type=msg_type, created=time.monotonic())
+            self._requests[msg_id] = req
+            if len(self._requests) > self.max_requests:
+                self._evict()
+        return req
+
+    def _evict(self) -> None:
+        # Finished requests go first: a long cell's entry must outlive a burst of widget
+        # comm_msgs, or a follower's late idle could pass for the executor's.
+        for msg_id in [m for m, r in self._requests.items() if r.finished]:
+            if len(self._requests) <= self.max_requests:
+                return
+            del self._requests[msg_id]
+        while len(self._requests) > self.max_requests:
+            self._requests.popitem(last=False)
+
+    def _maybe_finish(self, req: _Request) -> None:
+        if not req.finished and req.idle_sent and (req.answered_by is not None
+                                                   or not req.expects_reply):
+            req.finished = True
+            req.idles.clear()
+            req.created = time.monotonic()  # from now on, finished_ttl_s counts
+
+    def _sweep(self, now: float) -> None:
+        for msg_id, req in list(self._requests.items()):
+            ttl = self.finished_ttl_s if req.finished else self.request_ttl_s
+            if now - req.created > ttl:
+                del self._requests[msg_id]
+        for ident, (_, since) in list(self._stdin_owner.items()):
+            if now - since > self.request_ttl_s:
+                del self._stdin_owner[ident]
+
+    # ---------------------------------------------------------------- client side
+
+    async def _on_client_request(self, msg: _Msg, channel: str) -> None:
+        msg_id = str(msg.header.get("msg_id", ""))
+        if msg_id:
+            self._request(msg_id, msg.msg_type)
+        now = time.monotonic()
+        sent = 0
+        for rep in self._replicas.values():
+            if self._is_live(rep, now):
+                sent += await self._send(rep.sockets.get(channel), msg.frames,
+                                         f"replica {rep.id}")
+        if not sent:
+            self.log.warning("no live replica took %s %s", msg.msg_type, msg_id)
+
+    async def _on_client_stdin(self, msg: _Msg, channel: str) -> None:
+        owner = self._stdin_owner.pop(msg.idents, None)
+        if owner is None:
+            self.log.warning("dropped %s from a client with no pending input request",
+                             msg.msg_type)
+            return
+        rep = self._replicas.get(owner[0])
+        if rep is not None:
+            await self._send(rep.sockets.get("stdin_port"), msg.frames, f"replica {rep.id}")
+
+    async def _on_client_hb(self, frames: list[bytes], _: None) -> None:
+        # Silence, not an error, below a majority: the Jupyter server's own heartbeat then
+        # declares the kernel dead, which is the truth (it can no longer commit anything).
+        if self.majority_alive():
+            await self._send(self._client.get("hb_port"), frames, "client heartbeat")
+
+    # ---------------------------------------------------------------- replica side
+
+    async def _on_replica_reply(self, msg: _Msg, rep: _Replica, channel: str) -> None:
+        parent_id = msg.parent_id
+        req = self._request(parent_id) if parent_id else None
+        if req is None or req.answered_by is not None:
+            return  # a duplicate: another replica's reply was already forwarded
+        if msg.msg_type == "execute_reply":
+            gp = msg.metadata().get("gpuhub")
+            if isinstance(gp, dict) and gp.get("role") != "executor":
+                return  # a follower's reply; the executor's is the one that counts
+        req.answered_by = rep.id
+        await self._send(self._client.get(channel), msg.frames, f"client {channel}")
+        idle = req.idles.pop(rep.id, None)
+        req.idles.clear()
+        if idle is not None and not req.idle_sent:
+            req.idle_sent = True
+            await self._send(self._client.get("iopub_port"), idle, "client iopub")
+        self._maybe_finish(req)
+
+    async def _on_replica_iopub(self, msg: _Msg, rep: _Replica, channel: str) -> None:
+        mtype = msg.msg_type
+        if mtype == "iopub_welcome":
+            return  # addressed to our own SUB's subscription, not to any client
+        parent_id = msg.parent_id
+        if mtype == "status":
+            state = str(msg.content().get("execution_state", ""))
+            if not parent_id:
+                # the kernel-start status: each replica sends one, the client needs one
+                if state in self._startup_status_sent:
+                    return
+                self._startup_status_sent.add(state)
+            else:
+                req = self._request(parent_id)
+                if state == "busy":
+                    if req.busy_sent:
+                        return
+                    req.busy_sent = True
+                elif state == "idle":
+                    if req.idle_sent:
+                        return
+                    if req.expects_reply:
+                        if req.answered_by is None:
+                            req.idles[rep.id] = msg.frames  # wait to learn who answered
+                            return
+                        if req.answered_by != rep.id:
+                            return
+                    req.idle_sent = True
+                    await self._send(self._client.get("iopub_port"), msg.frames, "client iopub")
+                    self._maybe_finish(req)
+                    return
+                else:
+                    if state in req.statuses_sent:
+                        return
+                    req.statuses_sent.add(state)
+        elif mtype == "execute_input" and parent_id:
+            req = self._request(parent_id)
+            if req.input_sent:
+                return
+            req.input_sent = True
+        await self._send(self._client.get("iopub_port"), msg.frames, "client iopub")
+
+    async def _on_replica_stdin(self, msg: _Msg, rep: _Replica, channel: str) -> None:
+        parent_id = msg.parent_id
+        if parent_id:
+            req = self._request(parent_id)
+            # Only one replica may talk to the user for a request: the first that asks.
+            if req.stdin_replica is None:
+                req.stdin_replica = rep.id
+            elif req.stdin_replica != rep.id:
+                return
+        self._stdin_owner[msg.idents] = (rep.id, time.monotonic())
+        await self._send(self._client.get("stdin_port"), msg.frames, "client stdin")
+
+    async def _on_replica_hb(self, frames: list[bytes], rep: _Replica) -> None:
+        rep.last_seen = time.monotonic()
+        rep.answered = True
+        if not rep.live:
+            rep.live = True
+            self.log.info("replica %s (%s) is alive again", rep.id, rep.address)
+
+    # ---------------------------------------------------------------- liveness
+
+    def _is_live(self, rep: _Replica, now: float) -> bool:
+        grace = 0.0 if rep.answered else rep.grace_s
+        return now - rep.last_seen <= self.hb_timeout_s + grace
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for rep in list(self._replicas.values()):
+                if rep.live and not self._is_live(rep, now):
+                    rep.live = False
+                    self.log.info("replica %s (%s) is dead: no heartbeat for %.1f s", rep.id,
+                                  rep.address, now - rep.last_seen)
+                # [b"", ping]: the empty frame makes the ping valid for a REP as well as for
+                # ipykernel's echoing ROUTER.
+                await self._send(rep.sockets.get("hb_port"), [b"", b"ping"],
+                                 f"replica {rep.id} heartbeat")
+            self._sweep(now)
+            await asyncio.sleep(self.hb_interval_s)

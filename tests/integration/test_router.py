@@ -1,0 +1,311 @@
+"""The kernel router (DESIGN D3) in front of three real ipykernel processes, seen by a real client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from queue import Empty
+
+import pytest
+import zmq
+import zmq.asyncio
+from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.connect import write_connection_file
+from jupyter_client.session import Session
+
+from gpuhub.kernel.router import KernelRouter
+
+# An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
+# answers late, so a router that took the first reply would pick a follower's.
+MARKED_KERNEL = """
+import os, time
+from ipykernel.ipkernel import IPythonKernel
+from ipykernel.kernelapp import IPKernelApp
+RID, ROLE = int(os.environ["GPUHUB_TEST_REPLICA"]), os.environ["GPUHUB_TEST_ROLE"]
+class Marked(IPythonKernel):
+    def finish_metadata(self, parent, metadata, reply_content):
+        md = super().finish_metadata(parent, metadata, reply_content)
+        md["gpuhub"] = {"replica": RID, "role": ROLE}
+        if ROLE == "executor":
+            time.sleep(0.3)
+        return md
+IPKernelApp.launch_instance(kernel_class=Marked)
+"""
+
+
+class Replicas:
+    """Plain ipykernel processes sharing one key, each on its own ports."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.key = uuid.uuid4().hex.encode()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.infos: dict[int, dict] = {}
+        self._n = 0
+
+    def start(self, rid: int, role: str | None = None) -> dict:
+        self._n += 1
+        fname = str(self.tmp / f"replica-{rid}-{self._n}.json")
+        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256")
+        with open(fname) as f:
+            cfg = json.load(f)
+        env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
+                   GPUHUB_TEST_REPLICA=str(rid), GPUHUB_TEST_ROLE=role or "")
+        head = ["-c", MARKED_KERNEL] if role else ["-m", "ipykernel_launcher"]
+        self.procs[rid] = subprocess.Popen(
+            [sys.executable, *head, "-f", fname, "--HistoryManager.enabled=False"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.infos[rid] = {"id": rid, "ip": "127.0.0.1",
+                           **{k: cfg[k] for k in ("shell_port", "iopub_port", "stdin_port",
+                                                  "control_port", "hb_port")}}
+        return self.infos[rid]
+
+    def kill(self, rid: int) -> None:
+        p = self.procs[rid]
+        p.send_signal(signal.SIGKILL)
+        p.wait(5)
+
+    def interrupt_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+
+
+@contextlib.asynccontextmanager
+async def _routed(reps: Replicas):
+    """A router in front of reps and a real client connected to it."""
+    router = KernelRouter([reps.infos[i] for i in sorted(reps.infos)], reps.key,
+                          hb_interval_s=0.2, hb_timeout_s=0.8)
+    info = await router.start()
+    kc = AsyncKernelClient()
+    kc.load_connection_info(info)
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=20)
+        yield router, info, kc
+    finally:
+        # unclosed client sockets would also hang the interpreter's exit
+        kc.stop_channels()
+        await router.stop()
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    reps = Replicas(tmp_path)
+    yield reps
+    reps.stop_all()
+
+
+@pytest.fixture(scope="module")
+def shared_replicas(tmp_path_factory):
+    """Three replicas for the tests that leave them as they found them (saves a start)."""
+    reps = Replicas(tmp_path_factory.mktemp("replicas"))
+    for i in range(3):
+        reps.start(i)
+    yield reps
+    reps.stop_all()
+
+
+@pytest.fixture
+async def routed(replicas):
+    for i in range(3):
+        replicas.start(i)
+    async with _routed(replicas) as r:
+        yield r
+
+
+@pytest.fixture
+async def shared_routed(shared_replicas):
+    async with _routed(shared_replicas) as r:
+        yield r
+
+
+async def _drain_iopub(kc, parent_id: str, wait_s: float = 0.6) -> list[dict]:
+    """Messages for parent_id still arriving after execute_interactive returned."""
+    await asyncio.sleep(wait_s)
+    msgs = []
+    while True:
+        try:
+            m = await kc.iopub_channel.get_msg(timeout=0.1)
+        except Empty:
+            return msgs
+        if m["parent_header"].get("msg_id") == parent_id:
+            msgs.append(m)
+
+
+async def _no_more_shell(kc) -> bool:
+    try:
+        await kc.shell_channel.get_msg(timeout=0.3)
+    except Empty:
+        return True
+    return False
+
+
+async def _hb_answered(port: int, timeout_s: float = 0.5) -> bool:
+    # A fresh REQ per ping: a REQ that got no answer is stuck and must be thrown away.
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        await sock.send(b"ping")
+        return bool(await sock.poll(int(timeout_s * 1000)))
+    finally:
+        sock.close(linger=0)
+
+
+async def _wait_for(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await cond() if asyncio.iscoroutinefunction(cond) else cond():
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def _execute(kc, code: str, **kw) -> tuple[dict, list[dict]]:
+    """execute_interactive, plus everything on iopub for that request (during and after)."""
+    seen: list[dict] = []
+    reply = await kc.execute_interactive(code, output_hook=seen.append, timeout=15, **kw)
+    seen += await _drain_iopub(kc, reply["parent_header"]["msg_id"])
+    return reply, seen
+
+
+def _statuses(msgs: list[dict], state: str) -> list[dict]:
+    return [m for m in msgs if m["msg_type"] == "status"
+            and m["content"]["execution_state"] == state]
+
+
+async def test_kernel_info_and_one_reply_per_execute(shared_routed):
+    router, _, kc = shared_routed
+    info = await kc.kernel_info(reply=True, timeout=5)
+    assert info["content"]["status"] == "ok"
+    assert await _no_more_shell(kc)
+
+    reply, msgs = await _execute(kc, "print(1+1)")
+    assert reply["content"]["status"] == "ok"
+    assert await _no_more_shell(kc)  # the other two replicas' replies were dropped
+    # every plain ipykernel executes, so "2" may come up to three times; status comes once
+    assert "2\n" in [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
+    assert len(_statuses(msgs, "busy")) == 1
+    idles = _statuses(msgs, "idle")
+    assert len(idles) == 1
+    # the idle is that of the replica whose reply was forwarded
+    assert idles[0]["header"]["session"] == reply["header"]["session"]
+    assert len([m for m in msgs if m["msg_type"] == "execute_input"]) == 1
+    assert router.live_replicas() == [0, 1, 2]
+    assert router.majority_alive()
+
+
+async def test_executor_reply_wins_over_earlier_followers(replicas):
+    for i, role in enumerate(("follower", "follower", "executor")):
+        replicas.start(i, role)
+    async with _routed(replicas) as (_, _, kc):
+        reply, msgs = await _execute(kc, "x = 41 + 1")
+        assert await _no_more_shell(kc)  # the followers' earlier replies were dropped
+    assert reply["metadata"]["gpuhub"] == {"replica": 2, "role": "executor"}
+    idles = _statuses(msgs, "idle")
+    assert len(idles) == 1 and len(_statuses(msgs, "busy")) == 1
+    assert idles[0]["header"]["session"] == reply["header"]["session"]
+
+
+async def test_input_round_trip(shared_routed, shared_replicas):
+    _, _, kc = shared_routed
+    prompts = []
+
+    def answer(msg):
+        prompts.append(msg["content"]["prompt"])
+        kc.input("bob")
+
+    reply, msgs = await _execute(kc, "x = input('name? ')\nprint('hi', x)",
+                                 allow_stdin=True, stdin_hook=answer)
+    assert reply["content"]["status"] == "ok"
+    assert prompts == ["name? "]  # only the first replica that asked talks to the user
+    assert "hi bob\n" in [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
+
+    # The two plain replicas whose input_request was dropped still wait for an answer (gpuhub
+    # followers never ask). Interrupt them so the shared replicas are free again; an idle
+    # ipykernel ignores SIGINT.
+    shared_replicas.interrupt_all()
+    msg_id = kc.execute("print('free')")
+    frees = 0
+    deadline = time.monotonic() + 10
+    while frees < 3 and time.monotonic() < deadline:
+        with contextlib.suppress(Empty):
+            m = await kc.iopub_channel.get_msg(timeout=0.2)
+            frees += (m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream"
+                      and m["content"]["text"] == "free\n")
+    assert frees == 3
+
+
+async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
+    _, info, kc = shared_routed
+    forger = Session(key=b"not-the-key", signature_scheme="hmac-sha256")
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpuhub.kernel.router"):
+            await sock.send_multipart(forger.serialize(forger.msg("kernel_info_request")))
+            await sock.send_multipart([b"no delimiter at all"])
+            assert not await sock.poll(700)  # nothing came back: it never reached a replica
+        assert any("bad signature" in r.getMessage() and "client shell" in r.getMessage()
+                   for r in caplog.records)
+        assert any("malformed" in r.getMessage() for r in caplog.records)
+    finally:
+        sock.close(linger=0)
+    reply = await kc.kernel_info(reply=True, timeout=5)
+    assert reply["content"]["status"] == "ok"
+
+
+async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(routed, replicas,
+                                                                             caplog):
+    router, info, kc = routed
+    caplog.set_level(logging.INFO, logger="gpuhub.kernel.router")
+    assert await _hb_answered(info["hb_port"])
+
+    replicas.kill(0)
+    assert await _wait_for(lambda: router.live_replicas() == [1, 2])
+    assert router.majority_alive()
+    assert await _hb_answered(info["hb_port"])
+    reply, msgs = await _execute(kc, "print(1+1)")  # two of three still make a kernel
+    assert reply["content"]["status"] == "ok" and len(_statuses(msgs, "idle")) == 1
+    assert any("replica 0" in r.getMessage() and "dead" in r.getMessage()
+               for r in caplog.records)
+
+    replicas.kill(1)
+    assert await _wait_for(lambda: not router.majority_alive())
+    assert not await _hb_answered(info["hb_port"])
+    assert router.live_replicas() == [2]
+
+    # replica 1 comes back elsewhere (new process, new ports): the majority and heartbeat return
+    router.replace_replica(replicas.start(1))
+    assert await _wait_for(lambda: router.live_replicas() == [1, 2], 10)
+    assert await _hb_answered(info["hb_port"])
+    # and it takes requests: every plain replica executes, so its pid shows up in the output
+    pid, out = str(replicas.procs[1].pid), set()
+
+    async def new_replica_ran() -> bool:
+        _, msgs = await _execute(kc, "import os; print(os.getpid())")
+        out.update(m["content"]["text"].strip() for m in msgs if m["msg_type"] == "stream")
+        return pid in out
+
+    assert await _wait_for(new_replica_ran, 10), out
+    with pytest.raises(KeyError):
+        router.replace_replica({**replicas.infos[1], "id": 7})
+    await router.stop()
+    await router.stop()  # idempotent
