@@ -6,12 +6,11 @@ import secrets
 import subprocess
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.config import ConfigError, load_agent_config
 from gpuhub.devcluster import current_user
-from tests.integration.test_gpu_cells import run
+from tests.integration.test_gpu_cells import connect, run
 
 
 def start_unit(agent, name="gpuhub-kernel-t1", gpus=1):
@@ -32,11 +31,7 @@ def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1):
         "id": 0, "node": agent.name, "raft": f"{conn['ip']}:{conn['raft_port']}",
         "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
     assert status == 200, body
-    kc = BlockingKernelClient()
-    kc.load_connection_info({**conn, "key": key})
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    return kc, unit
+    return connect(conn, key), unit
 
 
 def test_token_required(make_agent):
