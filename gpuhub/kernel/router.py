@@ -427,7 +427,10 @@ class KernelRouter:
                 sent += await self._send(rep.sockets.get(channel), msg.frames,
                                          f"replica {rep.id}")
         if not sent:
-            self.log.warning("no live replica took %s %s", msg.msg_type, msg_id)
+            # while the replicas still start up this is expected (the client retries kernel_info)
+            starting = not any(r.answered for r in self._replicas.values())
+            self.log.log(logging.INFO if starting else logging.WARNING,
+                         "no live replica took %s %s", msg.msg_type, msg_id)
 
     async def _on_client_stdin(self, msg: _Msg, channel: str) -> None:
         owner = self._stdin_owner.pop(msg.idents, None)
