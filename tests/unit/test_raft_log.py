@@ -1,0 +1,235 @@
+"""The kernel's Raft group over real pysyncobj on loopback: replication, recovery from the journal
+and from peers, snapshots (log compaction), the password derived from the kernel's key, and
+RaftUnavailable without a majority. Every group is destroyed (its thread joined) at teardown.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpuhub.devcluster import free_port
+from gpuhub.replication.log import NameEntry, RaftGroup, RaftUnavailable, raft_password
+
+KEY = b"kernel-connection-key"
+WRONG_KEY = b"some-other-kernel-key"
+FAST_RECONNECT_S = 0.3
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def stop(group: RaftGroup) -> None:
+    """destroy() only asks pysyncobj's tick thread to stop: wait until it did (port and journal freed)."""
+    group.destroy()
+    assert wait_until(lambda: not group.sync.tick_thread_alive(), 10), "pysyncobj thread still alive"
+
+
+@pytest.fixture
+def make_group():
+    """RaftGroup factory; every group made is destroyed at teardown, its thread joined."""
+    made: list[RaftGroup] = []
+
+    def make(addr: str, peers: list[str], key: bytes = KEY, journal_dir=None, members: int = 3) -> RaftGroup:
+        g = RaftGroup(addr, [p for p in peers if p != addr], key, str(journal_dir) if journal_dir else None,
+                      members)
+        # Test speed only: pysyncobj retries a peer that was not listening yet every 5 s by default
+        # (RaftGroup keeps that), which only delays readiness; retry faster here.
+        g.sync.conf.connectionRetryTime = FAST_RECONNECT_S
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.destroy()
+    for g in made:
+        wait_until(lambda g=g: not g.sync.tick_thread_alive(), 10)
+
+
+def addrs(n: int) -> list[str]:
+    return [f"127.0.0.1:{free_port()}" for _ in range(n)]
+
+
+def entry(value: str) -> NameEntry:
+    return NameEntry(f"digest-{value}", value.encode(), len(value))
+
+
+def complete(group: RaftGroup, cell: str, executor: int, count: int, **names: str) -> bool:
+    return group.call("complete", cell, 0, executor, "ok", {k: entry(v) for k, v in names.items()}, [], count,
+                      timeout_s=10)
+
+
+def state(group: RaftGroup) -> tuple:
+    log = group.log
+    return ({k: v.inline for k, v in log.names.items()}, log.execution_count, log.previous_executor,
+            list(log.outcomes))
+
+
+def test_password_is_derived_from_the_key():
+    assert raft_password(KEY) == raft_password(KEY)
+    assert raft_password(KEY) != raft_password(WRONG_KEY)
+    assert KEY.decode() not in raft_password(KEY)
+
+
+def test_three_replicas_agree_on_the_election_and_the_names(make_group):
+    a = addrs(3)
+    groups = [make_group(addr, a) for addr in a]
+    assert all(g.wait_ready(10) for g in groups)
+    assert wait_until(lambda: all(g.connected(p) for g in groups for p in a if p != g.sync.selfNode.address))
+
+    groups[1].call("propose", "c1", 0, 1, True, timeout_s=10)  # committed via whichever is leader
+    groups[2].call("propose", "c1", 0, 2, True, timeout_s=10)
+    # call() returns once the leader applied the entry; the followers apply it a moment later
+    assert wait_until(lambda: all(len(getattr(g.log.elections.get(("c1", 0)), "proposals", ())) == 2
+                                  for g in groups))
+    assert all(g.log.elections[("c1", 0)].proposals == {1: True, 2: True} for g in groups)
+    assert {g.log.elections[("c1", 0)].outcome for g in groups} == {1}  # no previous: the first LEAD
+
+    assert complete(groups[1], "c1", 1, 1, x="1") is True
+    assert complete(groups[0], "c1", 0, 1, x="lost") is False  # the first end of a cell wins
+    assert wait_until(lambda: all(state(g) == ({"x": b"1"}, 1, 1, ["c1"]) for g in groups)), \
+        [state(g) for g in groups]
+
+
+def test_a_replica_restarts_from_its_journal_and_catches_up_from_its_peers(make_group, tmp_path):
+    a = addrs(3)
+    dirs = [tmp_path / f"r{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    assert all(g.wait_ready(10) for g in groups)
+    assert complete(groups[0], "c1", 0, 1, x="1") is True
+    assert wait_until(lambda: all(state(g) == ({"x": b"1"}, 1, 0, ["c1"]) for g in groups))
+
+    stop(groups[2])
+    assert complete(groups[0], "c2", 0, 2, y="2") is True  # two of three: still a majority
+    assert complete(groups[1], "c3", 1, 3, x="3") is True
+    expected = ({"x": b"3", "y": b"2"}, 3, 1, ["c1", "c2", "c3"])
+    assert wait_until(lambda: state(groups[0]) == state(groups[1]) == expected)
+    assert state(groups[2]) == ({"x": b"1"}, 1, 0, ["c1"])  # stopped: missed c2 and c3
+
+    again = make_group(a[2], a, journal_dir=dirs[2])
+    assert again.wait_ready(10)
+    assert wait_until(lambda: state(again) == expected), state(again)
+
+    # the whole group down, then up again: everything comes back from the journals
+    for g in (groups[0], groups[1], again):
+        stop(g)
+    revived = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    assert all(g.wait_ready(10) for g in revived)
+    assert wait_until(lambda: all(state(g) == expected for g in revived)), [state(g) for g in revived]
+    assert complete(revived[2], "c4", 2, 4, z="4") is True  # and it goes on
+    assert wait_until(lambda: all(state(g)[1] == 4 for g in revived))
+
+
+def test_a_snapshot_rebuilds_a_replica_that_lost_its_journal(make_group, tmp_path):
+    """Log compaction serializes KernelLog (pysyncobj forks to write raft.dump); a replica whose
+    journal is gone gets that snapshot from the leader, not the compacted-away entries."""
+    a = addrs(3)
+    dirs = [tmp_path / f"r{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    for g in groups:
+        g.log.on_apply = lambda kind, cell: None  # unpicklable: must stay out of the snapshot
+    assert all(g.wait_ready(10) for g in groups)
+    for i in range(3):
+        assert complete(groups[i], f"c{i}", i, i + 1, **{f"v{i}": str(i)}) is True
+    expected = ({"v0": b"0", "v1": b"1", "v2": b"2"}, 3, 2, ["c0", "c1", "c2"])
+    assert wait_until(lambda: all(state(g) == expected for g in groups))
+    for g in groups:
+        g.sync.forceLogCompaction()
+    assert wait_until(lambda: all((d / "raft.dump").exists() for d in dirs)), list(dirs[0].iterdir())
+    assert wait_until(lambda: all(g.sync.getStatus()["log_len"] <= 2 for g in groups))
+
+    stop(groups[2])
+    for f in dirs[2].iterdir():
+        f.unlink()  # a new host for replica 2: no journal, no dump
+    assert complete(groups[0], "c3", 0, 4, v3="3") is True
+    again = make_group(a[2], a, journal_dir=dirs[2])
+    assert again.wait_ready(10)
+    final = ({"v0": b"0", "v1": b"1", "v2": b"2", "v3": b"3"}, 4, 0, ["c0", "c1", "c2", "c3"])
+    assert wait_until(lambda: state(again) == final), state(again)
+    assert again.log.on_apply is None and again.log.changed is not groups[0].log.changed
+    with again.log.changed:  # still a working condition after the snapshot was loaded
+        again.log.changed.notify_all()
+    assert complete(again, "c4", 2, 5) is True
+    assert wait_until(lambda: all(state(g)[1] == 5 for g in (groups[0], groups[1], again)))
+
+
+def test_a_peer_with_the_wrong_key_gets_nothing_and_disturbs_nothing(make_group):
+    a = addrs(3)
+    groups = [make_group(addr, a) for addr in a]
+    assert all(g.wait_ready(10) for g in groups)
+    intruder_addr = addrs(1)[0]
+    intruder = make_group(intruder_addr, a, key=WRONG_KEY, members=4)
+
+    for i in range(5):
+        assert complete(groups[i % 3], f"c{i}", i % 3, i + 1, x=str(i)) is True
+    assert wait_until(lambda: all(state(g)[1] == 5 for g in groups))
+    time.sleep(1.5)  # past pysyncobj's election timeouts: the intruder had every chance
+    assert not intruder.sync.isReady()
+    assert state(intruder) == ({}, 0, None, [])
+    assert not any(intruder.connected(p) for p in a)
+    assert complete(groups[0], "c5", 0, 6, x="after") is True  # the good ones keep committing
+    assert wait_until(lambda: all(state(g)[0] == {"x": b"after"} for g in groups))
+
+
+def test_one_member_with_the_wrong_key_the_majority_still_commits(make_group):
+    a = addrs(3)
+    good = [make_group(a[0], a), make_group(a[1], a)]
+    bad = make_group(a[2], a, key=WRONG_KEY)
+    assert all(g.wait_ready(10) for g in good)
+    assert complete(good[1], "c1", 1, 1, x="1") is True
+    assert complete(good[0], "c2", 0, 2, y="2") is True
+    assert wait_until(lambda: state(good[0]) == state(good[1]) == ({"x": b"1", "y": b"2"}, 2, 0, ["c1", "c2"]))
+    time.sleep(1.0)
+    assert not bad.sync.isReady()
+    assert state(bad) == ({}, 0, None, [])
+    assert not good[0].connected(a[2]) and not good[1].connected(a[2])
+    with pytest.raises(RaftUnavailable):  # and it cannot commit anything itself
+        bad.call("propose", "c3", 0, 2, True, timeout_s=1.0)
+    assert ("c3", 0) not in good[0].log.elections
+
+
+def test_call_raises_raft_unavailable_without_a_majority(make_group):
+    a = addrs(3)  # the other two never start
+    alone = make_group(a[0], a)
+    started = time.monotonic()
+    with pytest.raises(RaftUnavailable) as info:
+        alone.call("propose", "c1", 0, 0, True, timeout_s=1.0)
+    elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0
+    message = str(info.value)
+    assert "'propose'" in message and "majority" in message and "1 s" in message
+    assert alone.log.elections == {}
+
+
+def test_raft_unavailable_after_the_majority_is_lost_is_not_a_rollback(make_group, tmp_path):
+    """The leader cut off from its majority raises RaftUnavailable, but the entry stays in its log
+    and commits once the majority is back (plain Raft): RaftUnavailable means "not known to be
+    committed", never "dropped". Every entry is first-wins or idempotent, which makes that safe."""
+    a = addrs(3)
+    dirs = [tmp_path / f"r{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    assert all(g.wait_ready(10) for g in groups)
+    assert complete(groups[0], "c1", 0, 1, x="1") is True
+    leader = a.index(str(groups[0].sync.getStatus()["leader"]))
+    others = [i for i in range(3) if i != leader]
+    for i in others:
+        stop(groups[i])
+    with pytest.raises(RaftUnavailable, match="majority"):
+        groups[leader].call("propose", "c2", 0, leader, True, timeout_s=1.5)
+    assert ("c2", 0) not in groups[leader].log.elections  # not applied: not committed (yet)
+    back = [make_group(a[i], a, journal_dir=dirs[i]) for i in others]
+    assert wait_until(lambda: all(("c2", 0) in g.log.elections for g in [groups[leader], *back]))
+    assert all(g.log.elections[("c2", 0)].proposals == {leader: True} for g in [groups[leader], *back])
