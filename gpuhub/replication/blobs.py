@@ -14,9 +14,12 @@ goes into the log, and the bytes move replica-to-replica over TCP with this modu
 ``SHA-256(TAG || len(value) as u64 || leaf_0 || leaf_1 || …)``, written as 64 lowercase hex
 digits. The chunking depends only on the length, never on thread timing, so the digest is
 deterministic; the leaves are hashed in a thread pool (hashlib releases the GIL for big buffers).
-Measured on the 2-core AMD EPYC (SHA-NI) dev machine, 1 GiB: sha256 1.56 GB/s, sha1 1.68,
-blake2b 0.81, sha512 0.75 single-threaded; the tree over 2 threads 3.0 GB/s (sha1 3.3, rejected:
-not collision resistant). The tag fixes the chunk size: changing :data:`CHUNK` changes every digest.
+Measured on the 2-core AMD EPYC (SHA-NI, OpenSSL 3.0) dev VM, 1 GiB, machine otherwise idle:
+sha256 1.56 GB/s, sha1 1.68, blake2b 0.81, sha512 0.75, sha3_256 0.30 single-threaded; 64 MiB
+leaves over 2 threads: sha256 3.0 GB/s, blake2b 1.5, sha1 3.3 (rejected: not collision resistant).
+16 MiB leaves (rather than 64) let values of 32-64 MiB hash in parallel too and shorten the
+receive/hash pipeline's tail; a leaf costs one pool task, nothing measurable. The tag fixes the
+chunk size: changing :data:`CHUNK` changes every digest.
 
 **Wire protocol** (one TCP connection per ``push``/``fetch`` call; all integers big-endian):
 
@@ -39,16 +42,24 @@ received before storing or returning it, and we keep that on by default even tho
 connection is authenticated: the handshake authenticates the *start* of the connection only (the
 stream itself carries no MAC and no encryption), so a faulty sender, a corrupting middlebox or a
 TCP injection after the handshake would otherwise go unnoticed and a wrong value would be bound to
-a digest that Raft committed. The cost is mostly hidden: each 16 MiB chunk is hashed in the pool
-while the next one is still arriving. ``BlobServer(verify=False)`` exists for measurements and for
-sites that wrap the links in something with its own integrity (WireGuard, IPsec); it trusts any
-authenticated peer. The payload is not encrypted: variables cross the network in clear, as
-pickles, on the cluster's private network (as do pysyncobj's own messages).
+a digest that Raft committed (an on-path attacker can even relay a genuine handshake and then
+write into the stream). Each 16 MiB chunk is hashed in the pool while the next one is still
+arriving, so on separate hosts with idle cores the check mostly overlaps the transfer. It is not
+free, though: on the 2-core dev VM (all three replicas on one machine, bench/blob_bench.py) a
+1 GiB value pushed to both followers costs 2.3 CPU-seconds with the check and 0.9 without, so at
+best ~1.1 s against ~0.45 s of wall time on two idle cores (CPU-seconds / 2; the shared VM was
+never idle enough to time it): the 1 GB/s-to-both goal needs ``verify=False`` there. ``BlobServer(verify=False)`` is for measurements and for sites whose links
+have their own integrity (WireGuard, IPsec); it trusts any authenticated peer. :func:`fetch`
+always verifies. The payload is not encrypted: unlike pysyncobj's messages (encrypted with its
+password), values cross the cluster's network in clear, as pickles.
 
 **Copies.** The sender passes ``memoryview`` slices of the caller's buffer to ``sendall``; the
 receiver allocates the value's buffer once and ``recv_into`` slices of it; the stored object *is*
 that buffer (exposed read-only). Sockets use ``TCP_NODELAY`` and :data:`SOCK_BUF`-sized send and
-receive buffers.
+receive buffers. Fresh memory is the other big cost: faulting in a new 1 GiB buffer took ~0.8 s
+on the dev VM (its host takes freed pages back), so ``BlobStore(spare_bytes=…)`` can keep the
+buffers of dropped values for the next value of about that size (4.2 → 2.3 CPU-seconds for the
+push above).
 
 Caller contract: values handed to :meth:`BlobStore.put` and :func:`push` must not be mutated
 afterwards (the store keeps a reference, not a copy).
@@ -67,7 +78,7 @@ import struct
 import sys
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Self
 
 __all__ = [
@@ -306,22 +317,25 @@ def _recv_body(sock: socket.socket, mv: memoryview, verify: bool) -> str | None:
     """Fill ``mv`` from ``sock``; with ``verify``, hash each chunk in the pool while the next one
     arrives and return the root digest of what came."""
     n = len(mv)
+    parts = [mv[i:i + CHUNK] for i in range(0, n, CHUNK)]
     futures: list[Future[bytes]] = []
-    pool = _hash_pool() if verify and n > CHUNK else None
+    pool = _hash_pool() if verify and len(parts) > 1 else None
     try:
-        for i in range(0, n, CHUNK):
-            part = mv[i:i + CHUNK]
+        for part in parts:
             _recv_into(sock, part)
             if pool is not None:
                 futures.append(pool.submit(_leaf, part))
         if not verify:
             return None
         if pool is None:
-            return _root(n, [_leaf(mv[i:i + CHUNK]) for i in range(0, n, CHUNK)])
+            return _root(n, [_leaf(p) for p in parts])
         return _root(n, [f.result() for f in futures])
     finally:
         for f in futures:
             f.cancel()
+        wait(futures)
+        for part in parts:  # a pool thread may still hold a part: drop its hold on the buffer
+            part.release()
 
 
 def _client_mac(key: bytes, ns: bytes, nc: bytes) -> bytes:
@@ -580,6 +594,7 @@ class BlobServer:
                 self._reply(conn, b"E", f"digest mismatch for {d}: not stored".encode())
                 return
             self.store.adopt(d, buf, length)
+            del buf  # before the reply: the sender may retain() at once (see BlobStore._spare)
             self._reply(conn, b"O")
         else:
             raise _ProtocolError(f"malformed request: unknown op {op!r}")

@@ -248,6 +248,17 @@ def test_a_64_mib_value_round_trips(servers):
     assert np.array_equal(np.frombuffer(got, dtype=np.uint8), value)
 
 
+def test_a_server_reuses_the_buffer_of_a_dropped_value(servers):
+    (srv,) = servers(1)
+    srv.store.spare_bytes = 64 << 20
+    old, new = b"o" * (3 << 20), b"n" * (3 << 20)  # the new value lands in the old one's memory
+    push(srv.address, KEY, {digest(old): old})
+    srv.store.retain(set())
+    assert srv.store.spare_nbytes == len(old)
+    push(srv.address, KEY, {digest(new): new})
+    assert srv.store.spare_nbytes == 0 and bytes(srv.store.get(digest(new))) == new
+
+
 def test_stop_returns_with_an_idle_connection_open(servers):
     (srv,) = servers(1)
     sock = blobs._connect(srv.address, KEY, 5)
