@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench"}
+BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated": "bench.replicated_bench"}
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ import cloudpickle
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 
-from gpuhub.kernel import devices
+from gpuhub.kernel import devices, dirty
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.replication.blobs import digest  # one content hash for change detection and blobs
 
@@ -129,6 +129,9 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         if name in ns:
             ns[name] = devices.to_device(ns[name], index)
     before = {k: id(v) for k, v in ns.items() if k not in hidden}
+    # Large buffers the group already has: skip re-pickling those the cell did not write.
+    tracker = dirty.Tracker.arm(ns, [k for k in before if k in digests and k not in device_tags],
+                                forked=True)
 
     # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
     result = shell.run_cell(code, store_history=False, silent=silent)
@@ -141,11 +144,15 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         done["user_expressions"] = shell.user_expressions(user_expressions or {})
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
-    chan.send("delta", namespace_delta(ns, before, digests, hidden))
+    chan.send("delta", namespace_delta(ns, before, digests, hidden, tracker=tracker))
 
 
-def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str]) -> dict:
-    """What the cell changed: new or rebound names, mutated objects (by content digest), deletions."""
+def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,
+                    tracker: dirty.Tracker | None = None) -> dict:
+    """What the cell changed: new or rebound names, mutated objects (by content digest), deletions.
+
+    ``tracker`` (armed before the cell over names whose values the group has, see
+    gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest."""
     changed: dict[str, bytes] = {}
     tags: dict[str, int] = {}
     failed: dict[str, str] = {}
@@ -154,6 +161,8 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
             continue
         rebound = before.get(name) != id(value)
         if not rebound and isinstance(value, IMMUTABLE):
+            continue
+        if not rebound and tracker is not None and tracker.unchanged(name, value):
             continue
         try:
             host_value, index = devices.to_host(value)

@@ -1,0 +1,355 @@
+"""Replicated kernels (B1–B4): three replicas behind the router vs a plain ipykernel, on loopback.
+
+Run: `make bench` (all benchmarks) or `.venv/bin/python -m bench replicated`; one part only:
+`.venv/bin/python -m bench.replicated_bench B2` (B1, B2, B3, B4, comma- or space-separated).
+
+Everything is real processes on 127.0.0.1: a ``DevCluster`` (scheduler + 3 agents, 1 fake GPU
+each) places a 3-replica kernel, a ``KernelRouter`` in this process shows it as one kernel, and a
+``BlockingKernelClient`` times ``execute_interactive`` (execute_request → reply + idle). The
+anchor, a plain ipykernel (``python -m ipykernel_launcher`` via jupyter_client), runs in the same
+run, its cells interleaved with the measured kernel's in rounds so that machine noise hits both.
+
+- B1: ``x = 1`` on a CPU kernel (gpus=0) vs plain: p50/p99 over 200 cells after 20 warm-up.
+- B2: ``x = 1`` on a GPU kernel (gpus=1, fake GPUs), without and with ``big = np.ones(1 << 27)``
+  (1 GiB) in both namespaces: p50 minus plain's p50.
+- B3: a changed 1 GiB array to both followers: (a) transport only, ``bench.blob_bench`` (1 GiB
+  to 2 peers); (b) end to end, ``big += 1`` on the CPU kernel minus the same cell on plain;
+  GB/s = 2**30 bytes / that extra time (GB = 1e9 bytes).
+- B4: SIGKILL an idle (non-executor) replica and its node's agent, then time the next cell;
+  median over 5 fresh kernels (each on a fresh DevCluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import secrets
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from jupyter_client import BlockingKernelClient, KernelManager
+
+from bench.kernel_bench import pct
+from gpuhub.devcluster import DevCluster
+from gpuhub.kernel.router import KernelRouter
+
+CELLS = 200
+WARMUP = 20
+ROUNDS = 4  # the timed cells alternate between kernels in this many blocks
+BIG = "import numpy as np\nbig = np.ones(1 << 27)  # 1 GiB of float64"
+GIB = 1 << 30
+B3_CELLS = 5
+B4_KERNELS = 5
+PARTS = ("B1", "B2", "B3", "B4")
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for the router while this thread blocks on its client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Replicated:
+    """A 3-replica kernel placed by the DevCluster's scheduler, behind a router, with a client."""
+
+    def __init__(self, cluster: DevCluster, gpus: int) -> None:
+        self.cluster = cluster
+        self.key = secrets.token_hex(16)
+        self.kernel_id = "bench-" + uuid.uuid4().hex[:8]
+        status, self.record = cluster.scheduler_call("POST", "/api/v1/kernels", {
+            "kernel_id": self.kernel_id, "key": self.key, "gpus": gpus, "replicas": 3,
+            "cwd": os.getcwd()})
+        if status not in (200, 201):
+            raise RuntimeError(f"the scheduler refused the kernel: {self.record}")
+        self.loop = LoopThread()
+        self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
+                                   self.key.encode())
+        conn = self.loop.run(self.router.start())
+        self.kc = BlockingKernelClient()
+        self.kc.load_connection_info({**conn, "key": self.key.encode()})
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def pid(self, replica: dict) -> int:
+        _, unit = self.cluster.agent(replica["node"]).call("GET", f"/api/v1/units/{replica['unit']}")
+        return unit["main_pid"]
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        try:
+            self.loop.run(self.router.stop())
+        finally:
+            self.loop.close()
+            try:
+                self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
+            except OSError:
+                pass
+
+
+def cell(kc: BlockingKernelClient, code: str, timeout: float = 120) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: None)
+    elapsed = time.perf_counter() - t0
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"cell {code!r} failed: {reply['content']}")
+    return elapsed, reply
+
+
+def setup(kc: BlockingKernelClient, code: str, tries: int = 3) -> tuple[float, list[str]]:
+    """Run a setup cell, retrying a cell the kernel aborted; returns (seconds, abort messages)."""
+    aborts = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        reply = kc.execute_interactive(code, timeout=900, output_hook=lambda msg: None)
+        content = reply["content"]
+        if content["status"] == "ok":
+            return time.perf_counter() - t0, aborts
+        aborts.append(f"{content.get('ename')}: {content.get('evalue')} (after {time.perf_counter() - t0:.0f} s)")
+        if content.get("ename") not in ("ExecutorLost", "GpuWaitTimeout"):
+            break
+    raise RuntimeError(f"setup cell {code!r} failed: " + "; ".join(aborts))
+
+
+def output_of(kc: BlockingKernelClient, code: str) -> str:
+    out: list[str] = []
+
+    def hook(msg):  # stdout only: a replica's own log lines can reach the notebook's stderr
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+
+    reply = kc.execute_interactive(code, timeout=60, output_hook=hook)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"cell {code!r} failed: {reply['content']}")
+    return "".join(out)
+
+
+def interleaved(kcs: dict[str, BlockingKernelClient], code: str, n: int = CELLS, warmup: int = WARMUP,
+                rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """``n`` timed cells of ``code`` per kernel after ``warmup``, alternating kernels in rounds."""
+    for kc in kcs.values():
+        for _ in range(warmup):
+            cell(kc, code)
+    times: dict[str, list[float]] = {label: [] for label in kcs}
+    per_round = -(-n // rounds)
+    while any(len(t) < n for t in times.values()):
+        for label, kc in kcs.items():
+            for _ in range(min(per_round, n - len(times[label]))):
+                times[label].append(cell(kc, code)[0])
+    return times
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def plain_kernel() -> tuple[KernelManager, BlockingKernelClient]:
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return km, kc
+
+
+def row(label: str, times: list[float], anchor: list[float]) -> dict:
+    p50, a50 = statistics.median(times), statistics.median(anchor)
+    r = {"label": label, "p50": p50, "p99": pct(times, 0.99), "anchor_p50": a50,
+         "anchor_p99": pct(anchor, 0.99), "ratio": p50 / a50, "extra": p50 - a50, "n": len(times)}
+    progress(f"{label}: p50 {ms(p50)} ms, p99 {ms(r['p99'])} ms; plain p50 {ms(a50)} ms, p99 {ms(r['anchor_p99'])} ms")
+    return r
+
+
+def progress(text: str) -> None:
+    print(f"# {time.strftime('%H:%M:%S')} {text} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+
+
+# --- the parts ---------------------------------------------------------------------------------------
+def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, results: dict) -> None:
+    cluster = DevCluster(tmp / "cluster", nodes=3, gpus_per_node=1).start()
+    try:
+        if "B1" in parts:
+            k = Replicated(cluster, gpus=0)
+            try:
+                t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
+                results["B1"] = row("B1 CPU kernel, 3 replicas", t["cpu"], t["plain"])
+            finally:
+                k.close()
+        if "B2" in parts:
+            k = Replicated(cluster, gpus=1)
+            try:
+                t = interleaved({"gpu": k.kc, "plain": plain}, "x = 1")
+                results["B2-small"] = row("B2 GPU kernel, 3 replicas, no big array", t["gpu"], t["plain"])
+                results["B2-setup-s"], results["B2-setup-aborts"] = setup(k.kc, BIG)
+                progress(f"B2 setup {results['B2-setup-s']:.1f} s, aborts: {results['B2-setup-aborts']}")
+                cell(plain, BIG)
+                t = interleaved({"gpu": k.kc, "plain": plain}, "x = 1")
+                results["B2-big"] = row("B2 GPU kernel, 3 replicas, 1 GiB `big` in both", t["gpu"], t["plain"])
+                cell(plain, "del big")
+            finally:
+                k.close()
+        if "B3" in parts:
+            k = Replicated(cluster, gpus=0)
+            try:
+                results["B3-setup-s"], results["B3-setup-aborts"] = setup(k.kc, BIG)
+                cell(plain, BIG)
+                # back to back (rounds=1): each cell also waits for the followers still loading the last value
+                t = interleaved({"cpu": k.kc, "plain": plain}, "big += 1", n=B3_CELLS, warmup=1, rounds=1)
+                r = row("B3b `big += 1`, CPU kernel, 3 replicas", t["cpu"], t["plain"])
+                r["gbps"] = GIB / r["extra"] / 1e9 if r["extra"] > 0 else float("inf")
+                results["B3b"] = r
+                same = output_of(k.kc, "print(float(big[0]), float(big[-1]))").split()
+                if same != [str(float(2 + B3_CELLS))] * 2:
+                    r["label"] += f" (**values after the cells: {same}, expected {2 + B3_CELLS}.0**)"
+                cell(plain, "del big")
+            finally:
+                k.close()
+    finally:
+        cluster.stop()
+
+
+def run_b3a(results: dict) -> None:
+    from bench import blob_bench
+
+    r = blob_bench.run(GIB, 3, configs=("cold", "warm"), verbose=False)
+    results["B3a"] = r
+    progress("B3a: " + ", ".join(f"{name} {p['gbps']:.2f} GB/s" for name, p in r["push"].items()))
+
+
+def run_b4(tmp: Path, results: dict, kernels: int = B4_KERNELS) -> None:
+    times, notes = [], []
+    for i in range(kernels):
+        cluster = DevCluster(tmp / f"b4-{i}", nodes=3, gpus_per_node=1).start()
+        try:
+            k = Replicated(cluster, gpus=0)
+            try:
+                for _ in range(3):
+                    cell(k.kc, "x = 1")
+                node = output_of(k.kc, "import os; print(os.environ['GPUHUB_NODE'])").strip()
+                idle = next(r for r in k.record["replicas"] if r["node"] != node)
+                pid = k.pid(idle)
+                cluster.agent(idle["node"]).stop(kill=True)
+                os.kill(pid, signal.SIGKILL)
+                elapsed, _ = cell(k.kc, "x += 1", timeout=120)
+                times.append(elapsed)
+                progress(f"B4 kernel {i + 1}: next cell after the kill took {elapsed:.2f} s")
+                after = output_of(k.kc, "import os; print(os.environ['GPUHUB_NODE'], x)").split()
+                notes.append(f"executor {node}, killed {idle['node']}; next cell on {after[0]}")
+                if after[1] != "2":
+                    notes[-1] += f" (**x is {after[1]}, expected 2**)"
+            finally:
+                k.close()
+        finally:
+            cluster.stop()
+    results["B4"] = {"times": times, "median": statistics.median(times), "notes": notes}
+
+
+# --- report ---------------------------------------------------------------------------------------
+def machine() -> str:
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(line for line in f if line.startswith("MemTotal"))
+        mem = f", {int(total.split()[1]) / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration):
+        pass
+    return (f"{os.cpu_count()} CPU(s){mem}, Linux {platform.release()}, Python {platform.python_version()}, "
+            f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str:
+    lines = [
+        "## Replicated kernels (B1–B4)",
+        "",
+        (f"Command: `{command}` — {machine()}. Soft-dirty bits on this kernel: "
+         f"{'yes' if soft_dirty else 'no'} (GPU cells use copy-on-write bits in the forked child)."),
+        "",
+        "| figure | measured | anchor (same run) | result | goal | met |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def kernel_row(key: str, goal: str, met: bool | None, result: str) -> None:
+        r = results[key]
+        lines.append(f"| {r['label']} (n={r['n']}) | p50 {ms(r['p50'])} ms, p99 {ms(r['p99'])} ms "
+                     f"| plain p50 {ms(r['anchor_p50'])} ms, p99 {ms(r['anchor_p99'])} ms | {result} | {goal} "
+                     f"| {'' if met is None else ('yes' if met else '**no**')} |")
+
+    if "B1" in results:
+        r = results["B1"]
+        kernel_row("B1", "p50 ≤ 1.5× plain", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain")
+    if "B2-small" in results:
+        r = results["B2-small"]
+        kernel_row("B2-small", "(reported)", None, f"+{ms(r['extra'])} ms")
+    if "B2-big" in results:
+        r = results["B2-big"]
+        kernel_row("B2-big", "p50 ≤ plain + 10 ms", r["extra"] <= 0.010, f"+{ms(r['extra'])} ms")
+    if "B3a" in results:
+        a = results["B3a"]
+        for name, p in a["push"].items():
+            lines.append(f"| B3a blob push of 1 GiB to 2 peers, {name} store (n={a['repeats']}) "
+                         f"| median {p['median_s']:.2f} s | — | {p['gbps']:.2f} GB/s | ≥ 1 GB/s "
+                         f"| {'yes' if p['gbps'] >= 1 else '**no**'} |")
+    if "B3b" in results:
+        r = results["B3b"]
+        lines.append(f"| {r['label']} (n={r['n']}) | p50 {r['p50']:.2f} s | plain p50 {r['anchor_p50']:.2f} s "
+                     f"| +{r['extra']:.2f} s → {r['gbps']:.2f} GB/s | ≥ 1 GB/s | {'yes' if r['gbps'] >= 1 else '**no**'} |")
+    if "B4" in results:
+        b = results["B4"]
+        lines.append(f"| B4 kill idle replica + its agent → next cell done (n={len(b['times'])}) "
+                     f"| median {b['median']:.2f} s (all: {', '.join(f'{t:.2f}' for t in b['times'])}) | — "
+                     f"| {b['median']:.2f} s | ≤ 3 s | {'yes' if b['median'] <= 3 else '**no**'} |")
+    for part, where in (("B2", "GPU"), ("B3", "CPU")):
+        if f"{part}-setup-s" in results:
+            aborts = results[f"{part}-setup-aborts"]
+            lines += ["", f"{part} setup: the cell creating the 1 GiB `big` on the {where} kernel took "
+                          f"{results[f'{part}-setup-s']:.1f} s"
+                          + (f", after {len(aborts)} aborted attempt(s): {'; '.join(aborts)}" if aborts else "") + "."]
+    if "B4" in results:
+        lines += ["", "B4 runs: " + "; ".join(results["B4"]["notes"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+    from gpuhub.kernel import dirty
+
+    args = [p.strip().upper() for a in (argv or []) for p in a.split(",") if p.strip()]
+    parts = set(args) or set(PARTS)
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise SystemExit(f"unknown part(s) {sorted(unknown)}; choose from {PARTS}")
+    command = ".venv/bin/python -m bench replicated" if parts == set(PARTS) else \
+        f".venv/bin/python -m bench.replicated_bench {' '.join(sorted(parts))}"
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="gpuhub-bench-") as tmp:
+        if parts & {"B1", "B2", "B3"}:
+            km, plain = plain_kernel()
+            try:
+                run_b1_b2_b3b(parts, Path(tmp), plain, results)
+            finally:
+                plain.stop_channels()
+                km.shutdown_kernel(now=True)
+        if "B3" in parts:
+            run_b3a(results)
+        if "B4" in parts:
+            run_b4(Path(tmp), results)
+    return table(results, parts, command, dirty.SOFT_DIRTY)
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]), flush=True)

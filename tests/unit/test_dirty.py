@@ -1,0 +1,307 @@
+"""Dirty-page tracking of large buffers (gpuhub/kernel/dirty.py): a wrong "unchanged" loses data.
+
+Each scenario runs in a child forked from the test process, as a GPU cell runs in a child forked
+from its replica: the buffers are allocated (and written) here before the fork. The copy-on-write
+signal is tested everywhere; soft-dirty only where this kernel has it (dirty.SOFT_DIRTY).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import time
+import traceback
+import warnings
+
+import numpy as np
+import pytest
+
+from gpuhub.kernel import cellchild, dirty
+
+MIB = 1 << 20
+MODES = {"cow": {"forked": True, "soft_dirty": False}}
+if dirty.SOFT_DIRTY:
+    MODES["soft-dirty"] = {"forked": False, "soft_dirty": True}
+    MODES["both"] = {"forked": True, "soft_dirty": True}
+
+
+def in_child(fn):
+    """Run ``fn`` in a forked child; return its result or raise with its traceback."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                out = ("ok", fn())
+            except BaseException:  # noqa: BLE001 - everything goes back to the test
+                out = ("error", traceback.format_exc())
+            os.write(w, pickle.dumps(out))
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert chunks, "the child died without an answer"
+    status, value = pickle.loads(b"".join(chunks))
+    if status != "ok":
+        pytest.fail(f"in the child:\n{value}")
+    return value
+
+
+def big_array(mib: int = 64) -> np.ndarray:
+    a = np.arange(mib * MIB // 8, dtype=np.float64)  # every page written, so present
+    return a
+
+
+def check(mode: str, ns: dict, cell, names=None):
+    """Arm over ``names`` (default: all of ns), run ``cell(ns)``, return {name: unchanged?}."""
+    def child():
+        tracker = dirty.Tracker.arm(ns, list(names or ns), **MODES[mode])
+        assert tracker is not None, "no signal works in a forked child"
+        cell(ns)
+        return {n: tracker.unchanged(n, ns[n]) for n in (names or ns) if n in ns}
+    return in_child(child)
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    return request.param
+
+
+def test_write_of_one_element_is_detected(mode):
+    ns = {"big": big_array(), "other": big_array()}
+
+    def cell(ns):
+        ns["big"][123_456] = -1.0
+
+    assert check(mode, ns, cell) == {"big": False, "other": True}
+
+
+def test_no_write_is_not_detected_and_reading_is_not_a_write(mode):
+    ns = {"big": big_array(), "raw": bytearray(os.urandom(4 * MIB))}
+
+    def cell(ns):
+        assert ns["big"].sum() > 0
+        assert bytes(ns["raw"][:10])
+        ns["x"] = 1
+        ns["copy"] = ns["big"].copy()  # new memory nearby is not the tracked buffer
+
+    assert check(mode, ns, cell, ["big", "raw"]) == {"big": True, "raw": True}
+
+
+def test_reassign_is_detected_by_id(mode):
+    ns = {"big": big_array(), "same": big_array(), "other": big_array(), "spare": big_array()}
+    ns["spare"][0] = -1.0
+
+    def cell(ns):
+        ns["big"] = ns["big"].copy()  # same content, another object
+        ns["same"] = ns["same"]
+        ns["kept"] = ns["other"]  # the armed array lives on, untouched …
+        ns["other"] = ns.pop("spare")  # … but "other" is now another (untouched) array
+
+    assert check(mode, ns, cell, ["big", "same", "other"]) == {"big": False, "same": True, "other": False}
+
+
+def test_freed_and_reallocated_at_the_same_place_is_detected(mode):
+    ns = {"big": big_array()}
+
+    def cell(ns):
+        old = ns.pop("big")
+        ptr = old.ctypes.data
+        del old
+        new = np.empty(64 * MIB // 8)
+        new[:] = 7.0
+        ns["big"] = new
+        return ptr == new.ctypes.data
+
+    assert check(mode, ns, cell) == {"big": False}
+
+
+@pytest.mark.parametrize("change", ["resize", "reshape", "dtype", "strides"])
+def test_in_place_layout_changes_are_detected(mode, change):
+    ns = {"big": big_array()}
+
+    def cell(ns):
+        a = ns["big"]
+        if change == "resize":
+            a.resize(a.size + 1, refcheck=False)
+        elif change == "reshape":
+            a.shape = (1024, -1)
+        elif change == "dtype":
+            a.dtype = np.int64  # same bytes, another value
+        else:
+            a.shape = (2, -1)
+            with warnings.catch_warnings():  # deprecated in NumPy 2.4, still possible
+                warnings.simplefilter("ignore", DeprecationWarning)
+                a.strides = (8, 16)  # the same bytes, read in another order
+
+    assert check(mode, ns, cell) == {"big": False}
+
+
+def test_write_through_a_view_is_detected(mode):
+    base = big_array()
+    half = base.size // 2
+    ns = {"big": base, "rev": base[::-1], "tail": base[half:], "head": base[:half]}
+
+    def cell(ns):
+        view = ns["big"][::3]
+        view[-5] = 42.0  # near the end: the tail's pages and the base's
+
+    assert check(mode, ns, cell, ["big", "rev", "tail", "head"]) == {
+        "big": False, "rev": False, "tail": False, "head": True}
+
+
+def test_view_written_through_its_base_is_detected(mode):
+    base = big_array(8)
+    ns = {"strided": base.reshape(1024, -1)[:, ::2], "base": base}
+
+    def cell(ns):
+        ns["base"][1] = -1.0  # an element the strided view does not show, on its pages
+
+    # page granularity: a write between the view's elements still counts (safe side)
+    assert check(mode, ns, cell, ["strided"]) == {"strided": False}
+
+
+def test_bytearray_write_and_append_are_detected(mode):
+    ns = {"w": bytearray(4 * MIB), "grown": bytearray(4 * MIB), "same": bytearray(4 * MIB)}
+    for v in ns.values():
+        v[:] = b"\1" * len(v)
+
+    def cell(ns):
+        ns["w"][-1] = 9
+        ns["grown"] += b"x"
+
+    assert check(mode, ns, cell) == {"w": False, "grown": False, "same": True}
+
+
+def test_a_fork_in_the_cell_voids_the_copy_on_write_answer():
+    ns = {"big": big_array()}
+
+    def cell(ns):
+        ns["big"][0] = 5.0  # written first: exclusive …
+        pid = os.fork()  # … then shared again with a process that lives on
+        if pid == 0:
+            time.sleep(3)
+            os._exit(0)
+
+    def child():
+        tracker = dirty.Tracker.arm(ns, ["big"], forked=True, soft_dirty=False)
+        cell(ns)
+        return tracker.unchanged("big", ns["big"])
+
+    assert in_child(child) is False
+
+
+def test_shared_and_untouched_memory_is_not_trusted(mode):
+    shared = mmap.mmap(-1, 8 * MIB)  # MAP_SHARED: writes to it copy nothing, nor need this process
+    shared.write(b"\1" * 8 * MIB)
+    ns = {"shared": np.frombuffer(shared, dtype=np.uint8), "zeros": np.zeros(8 * MIB),
+          "fine": big_array(8)}
+
+    def cell(ns):
+        ns["shared"][::4096] = 2  # every page written, and still mapped by the parent too
+
+    assert check(mode, ns, cell) == {"shared": False, "zeros": False, "fine": True}
+
+
+def test_small_and_object_arrays_are_not_tracked(mode):
+    ns = {"small": np.ones(1000), "objects": np.array([object()] * (2 * MIB // 8)),
+          "listy": [big_array(4)]}
+
+    def cell(ns):
+        pass
+
+    assert check(mode, ns, cell) == {"small": False, "objects": False, "listy": False}
+
+
+def test_not_a_fresh_child_and_no_soft_dirty_means_no_tracker(monkeypatch):
+    monkeypatch.setattr(dirty, "SOFT_DIRTY", False)
+    # this process was not forked just now: its probe page is not shared with a parent
+    assert dirty.Tracker.arm({"big": big_array()}, ["big"], forked=True) is None
+    assert dirty.Tracker.arm({"big": big_array()}, ["big"], forked=False) is None
+
+
+def test_soft_dirty_probe_matches_this_kernel():
+    assert dirty.SOFT_DIRTY == dirty._probe_soft_dirty()
+    if not dirty.SOFT_DIRTY:
+        assert dirty.Tracker.arm({}, [], forked=False) is None
+
+
+def delta_in_child(ns, digests, cell, use_tracker):
+    def child():
+        before = {k: id(v) for k, v in ns.items()}
+        tracker = dirty.Tracker.arm(ns, [k for k in ns if k in digests], forked=True) if use_tracker else None
+        assert (tracker is not None) == use_tracker
+        cell(ns)
+        d = cellchild.namespace_delta(ns, before, digests, set(), tracker=tracker)
+        return sorted(d["set"]), d["deleted"]
+    return in_child(child)
+
+
+@pytest.mark.parametrize("use_tracker", [True, False], ids=["tracked", "fallback"])
+def test_namespace_delta_sends_exactly_what_changed(use_tracker):
+    import cloudpickle
+
+    ns = {"big": big_array(), "kept": big_array(), "raw": bytearray(2 * MIB), "gone": big_array(2),
+          "items": [1, 2]}
+    digests = {k: cellchild.digest(cloudpickle.dumps(v, protocol=5)) for k, v in ns.items()}
+
+    def cell(ns):
+        ns["big"][-1] += 1
+        ns["raw"][0] = 1
+        del ns["gone"]
+        ns["items"].append(3)
+        ns["new"] = 1
+
+    changed, deleted = delta_in_child(ns, digests, cell, use_tracker)
+    assert changed == ["big", "items", "new", "raw"]
+    assert deleted == ["gone"]
+
+
+def test_namespace_delta_tracks_only_names_the_group_has():
+    ns = {"big": big_array()}
+
+    def cell(ns):
+        pass
+
+    # no digest for "big": not armed over it, so it is pickled and sent as before
+    assert delta_in_child(ns, {}, cell, True) == (["big"], [])
+
+
+def test_torch_cpu_tensor(mode):
+    torch = pytest.importorskip("torch")
+    ns = {"t": torch.ones(1 << 20), "w": torch.ones(1 << 20), "v": torch.ones(1 << 20)}
+
+    def cell(ns):
+        ns["w"][5] = 2.0
+        ns["v"].numpy()[7] = 3.0  # a write torch does not count (_version)
+
+    assert check(mode, ns, cell) == {"t": True, "w": False, "v": False}
+
+
+def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
+    """End to end: a GPU kernel's cells (forked child, tracker armed) lose no write."""
+    from tests.integration.test_gpu_cells import run, start_kernel
+
+    kc, _ = start_kernel(make_agent("gpunode", gpus=1), name="gpuhub-kernel-dirty")
+    try:
+        cells = [
+            "import numpy as np\na = np.zeros(4 << 20)\nb = np.ones(4 << 20)\nc = bytearray(4 << 20)",
+            "x = 1",  # nothing written: a, b and c stay as they are
+            "a[123] = 5",
+            "b[-1] = 7; c[0] = 9",
+            "v = a[::2]\nv[1] = 3",  # a write through a view (a[2])
+            "a.shape = (2, -1)",  # the same bytes, another layout
+        ]
+        for code in cells:
+            reply, out = run(kc, code)
+            assert reply["status"] == "ok", (code, reply, out)
+        _, out = run(kc, "print(a.ravel()[123], a.ravel()[2], a.shape, b[-1], b[0], c[0], v[1])")
+        assert out["stdout"].split() == ["5.0", "3.0", "(2,", f"{2 << 20})", "7.0", "1.0", "9", "3.0"]
+    finally:
+        kc.stop_channels()
