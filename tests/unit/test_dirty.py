@@ -305,3 +305,33 @@ def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
         assert out["stdout"].split() == ["5.0", "3.0", "(2,", f"{2 << 20})", "7.0", "1.0", "9", "3.0"]
     finally:
         kc.stop_channels()
+
+
+def _anon_huge_kib(addr: int, n: int) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping [addr, addr + n)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < addr + n and end > addr
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("kind", ["ndarray", "bytes", "bytearray", "memoryview"])
+def test_prefer_huge_pages_keeps_the_bytes(kind):
+    import pickle as p
+
+    arr = p.loads(p.dumps(np.arange(64 * MIB // 8, dtype=np.float64), protocol=5))  # 4 KiB pages
+    value = {"ndarray": arr, "bytes": arr.tobytes(), "bytearray": bytearray(arr.tobytes()),
+             "memoryview": memoryview(bytearray(arr.tobytes()))[: 32 * MIB].toreadonly()}[kind]
+    before = bytes(memoryview(value)[:4096]), bytes(memoryview(value)[-4096:])
+    done = cellchild.prefer_huge_pages(value)
+    assert (bytes(memoryview(value)[:4096]), bytes(memoryview(value)[-4096:])) == before
+    if done and kind == "ndarray":
+        assert _anon_huge_kib(arr.ctypes.data, arr.nbytes) >= 32 * 1024
+    assert cellchild.prefer_huge_pages(np.ones(1000)) is False  # small: left alone
+    assert cellchild.prefer_huge_pages([1, 2]) is False
