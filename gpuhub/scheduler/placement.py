@@ -44,8 +44,14 @@ def place_replicas(
     replicas: int,
     max_subscription_ratio: float,
     exclude: Sequence[str] = (),
+    count: int | None = None,
 ) -> list[NodeView]:
-    """Choose ``replicas`` distinct nodes for a kernel whose cells each need ``gpus`` GPUs."""
+    """Choose ``replicas`` distinct nodes for a kernel whose cells each need ``gpus`` GPUs.
+
+    ``count`` (default ``replicas``) chooses fewer, for replacing a kernel's lost replica: the
+    subscription ratio still counts the kernel's ``replicas``; ``exclude`` names its other nodes.
+    """
+    count = replicas if count is None else count
     if replicas < 1:
         raise PlacementError("a kernel needs at least one replica")
     if gpus < 0:
@@ -53,11 +59,11 @@ def place_replicas(
     live = [n for n in nodes if n.schedulable and n.name not in exclude]
     big_enough = [n for n in live if n.gpu_count >= gpus]
     admitted = [n for n in big_enough if gpus == 0 or n.ratio_after(gpus, replicas) <= max_subscription_ratio]
-    if len(admitted) < replicas:
+    if len(admitted) < count:
         raise PlacementError(
-            f"cannot place {replicas} replica(s) needing {gpus} GPU(s) each: "
+            f"cannot place {count} replica(s) needing {gpus} GPU(s) each: "
             f"{len(live)} schedulable node(s), {len(big_enough)} with at least {gpus} GPU(s), "
             f"{len(admitted)} under the subscription ratio {max_subscription_ratio:g}"
         )
     admitted.sort(key=lambda n: (-n.idle, n.ratio_after(gpus, replicas), n.name))
-    return admitted[:replicas]
+    return admitted[:count]

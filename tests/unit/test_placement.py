@@ -28,6 +28,15 @@ def test_too_big_and_dead_nodes_are_skipped():
         place_replicas(nodes, gpus=4, replicas=1, max_subscription_ratio=7.0)
 
 
+def test_a_replacement_avoids_the_kernels_nodes_and_counts_its_replicas_in_the_ratio():
+    nodes = [NodeView("a", 1, 0, 0), NodeView("b", 1, 0, 0), NodeView("c", 1, 0, 0), NodeView("d", 1, 2, 1)]
+    chosen = place_replicas(nodes, 1, 3, 7.0, exclude=["a", "b", "c"], count=1)
+    assert [n.name for n in chosen] == ["d"]
+    # d already holds 2 pending GPUs: (2 + 1) / (1 GPU * 3 replicas) = 1.0 is admitted, 0.9 is not
+    with pytest.raises(PlacementError, match="cannot place 1 replica"):
+        place_replicas(nodes, 1, 3, 0.9, exclude=["a", "b", "c"], count=1)
+
+
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 30), st.integers(0, 8), st.booleans()), max_size=10),
        st.integers(0, 8), st.integers(1, 4), st.floats(0.5, 10))
 def test_placement_invariants(raw, gpus, replicas, ratio):
