@@ -99,7 +99,7 @@ def current_user() -> str:
 
 
 class SchedulerProcess:
-    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str]) -> None:
+    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
@@ -114,7 +114,7 @@ class SchedulerProcess:
         self.config.write_text(
             f'listen_address = "127.0.0.1"\nport = {self.port}\n'
             f'token_file = "{self.dir}/secrets/scheduler.token"\nagent_token_file = "{self.dir}/secrets/agent.token"\n'
-            f'state_dir = "{self.dir}/state"\nnode_timeout_s = 10\nhub_api_url = ""\n'
+            f'state_dir = "{self.dir}/state"\nnode_timeout_s = {node_timeout_s}\nhub_api_url = ""\n'
             f'static_user_tokens = {{ {static} }}\n'
         )
 
@@ -135,17 +135,20 @@ class SchedulerProcess:
 class DevCluster:
     """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1."""
 
-    def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None) -> None:
+    def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
+                 node_timeout_s: float = 10) -> None:
         self.tmp = Path(tmp)
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
+        self.node_timeout_s = node_timeout_s  # no heartbeat this long: the scheduler counts the node lost
         self.agent_token = secrets.token_urlsafe(24)
         self.user_token = user_token or secrets.token_urlsafe(24)
         self.scheduler: SchedulerProcess | None = None
         self.agents: list[AgentProcess] = []
 
     def start(self, timeout_s: float = 30) -> "DevCluster":
-        self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()}).start()
+        self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
+                                          self.node_timeout_s).start()
         for i in range(self.nodes):
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)

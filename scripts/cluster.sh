@@ -265,7 +265,17 @@ cmd_down() {
     [[ "$c" == gpuhub-"$NAME"-* ]] && ours+=("$c")
   done
   if [ ${#ours[@]} -gt 0 ]; then
-    podman rm -f -t 1 "${ours[@]}" >/dev/null
+    # podman can race with a systemd container that is just shutting down ("container state
+    # improper: stopped"); a second try finds it stopped and removes it.
+    local try err
+    err=$(mktemp)
+    for try in 1 2 3; do
+      podman rm -f -t 1 "${ours[@]}" >/dev/null 2>"$err" && break
+      [ "$try" -lt 3 ] || { cat "$err" >&2; rm -f "$err"; exit 2; }
+      log "podman rm failed (try $try), retrying: $(tail -n 1 "$err")"
+      sleep 2
+    done
+    rm -f "$err"
     log "removed ${ours[*]}"
   fi
   if podman network exists "$(net)"; then podman network rm "$(net)" >/dev/null; fi

@@ -10,8 +10,10 @@ from gpuhub.kernel.kernel import GpuhubKernel
 
 
 def main() -> None:
-    # To the unit's journal (the real stderr): ipykernel later points sys.stderr at the notebook.
-    logging.basicConfig(level=os.environ.get("GPUHUB_LOG_LEVEL", "INFO"), stream=sys.__stderr__,
+    # To the unit's journal. ipykernel later captures file descriptor 2 itself and forwards what is
+    # written there to the notebook, so log through a private duplicate of the original stderr.
+    journal = os.fdopen(os.dup(sys.__stderr__.fileno()), "w", buffering=1)
+    logging.basicConfig(level=os.environ.get("GPUHUB_LOG_LEVEL", "INFO"), stream=journal,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     IPKernelApp.launch_instance(kernel_class=GpuhubKernel)
 

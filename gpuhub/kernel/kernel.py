@@ -69,6 +69,13 @@ class GpuhubKernel(IPythonKernel):
         log.info("replica %d ready: %d name(s), next prompt %d", self.replica.id,
                  len(self.replica.state.names), self.shell.execution_count)
 
+    def start(self):
+        # IPython hides everything in the namespace at start-up from %who (hide_initial_ns), which
+        # would also hide the names this replica caught up with from change detection.
+        for name in self._digests:
+            self.shell.user_ns_hidden.pop(name, None)
+        super().start()
+
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         if self.replica is not None:

@@ -108,6 +108,10 @@ class GpuhubProvisioner(KernelProvisionerBase):
             _, status = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=10)
             running = sum(r.get("state") in ("active", "activating", "unreachable") for r in status["replicas"])
             result = None if running > len(status["replicas"]) // 2 else 1  # a majority keeps it working
+            if result is None and self._router is not None:
+                # The scheduler may have replaced a replica whose node was lost: route to the new one.
+                self._router.set_replicas([{"id": r["id"], **r["connection"]} for r in status["replicas"]
+                                           if r.get("connection")])
         except ApiClientError as exc:
             result = 1 if exc.status == 404 else None  # scheduler unreachable: assume alive, ask again later
         self._last_poll = (now, result)

@@ -116,6 +116,9 @@ class Replica:
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))
         self.state: KernelLog = self.raft.log
         self.interrupted = threading.Event()
+        self._closing = threading.Event()
+        self._peers_file: str | None = None
+        self._peers_mtime = 0
 
     @classmethod
     def from_env(cls, key: bytes) -> "Replica | None":
@@ -124,8 +127,10 @@ class Replica:
             return None
         settings = Settings.from_env()
         peers = read_peers(peers_file, settings.ready_timeout_s)
-        return cls(int(os.environ.get("GPUHUB_REPLICA_ID", "0")), peers, key,
-                   os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
+        replica = cls(int(os.environ.get("GPUHUB_REPLICA_ID", "0")), peers, key,
+                      os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
+        replica.watch_peers(peers_file)
+        return replica
 
     def wait_ready(self) -> None:
         if not self.raft.wait_ready(self.settings.ready_timeout_s):
@@ -136,8 +141,48 @@ class Replica:
         return [p.blob for p in self.peers.values() if p.id != self.id]
 
     def close(self) -> None:
+        self._closing.set()
         self.raft.destroy()
         self.blob_server.stop()
+
+    # --- membership: the scheduler replaced a lost replica ----------------------------
+    def watch_peers(self, path: str, interval_s: float = 1.0) -> None:
+        """Follow the peers file: when the scheduler replaces a replica (its node was lost) it
+        rewrites every replica's file; the Raft leader then removes the old member and adds the
+        new one, which catches up from a snapshot plus the log (pysyncobj)."""
+        self._peers_file = path
+        self._peers_mtime = os.stat(path).st_mtime_ns
+        threading.Thread(target=self._membership_loop, args=(interval_s,), name="gpuhub-membership",
+                         daemon=True).start()
+
+    def _membership_loop(self, interval_s: float) -> None:
+        while not self._closing.wait(interval_s):
+            try:
+                self.reload_peers()
+                if self.raft.is_leader():
+                    done = self.raft.change_membership(
+                        {p.raft for p in self.peers.values() if p.id != self.id})
+                    if done:
+                        log.info("replica %d (leader): membership change committed: %s", self.id, done)
+            except Exception as exc:  # noqa: BLE001 - retried next round; the kernel keeps serving
+                log.warning("replica %d: membership update failed (will retry): %s", self.id, exc)
+
+    def reload_peers(self) -> bool:
+        """Re-read the peers file if it changed; True if it did."""
+        if self._peers_file is None:
+            return False
+        mtime = os.stat(self._peers_file).st_mtime_ns
+        if mtime == self._peers_mtime:
+            return False
+        peers = read_peers(self._peers_file, 0)
+        self._peers_mtime = mtime
+        if self.id not in {p.id for p in peers}:
+            log.warning("replica %d is no longer in its kernel's group (replaced); it stays passive", self.id)
+            return True
+        old = set(self.peers)
+        self.peers = {p.id: p for p in peers}  # one assignment: readers see the old or the new map
+        log.info("replica %d: group is now %s (was %s)", self.id, sorted(self.peers), sorted(old))
+        return True
 
     # --- 1. election -------------------------------------------------------------
     def _wait(self, predicate, timeout_s: float):
@@ -150,19 +195,21 @@ class Replica:
         first_seen = time.monotonic()
         voted = False
         while True:
-            ended = self.state.outcomes.get(cell)
-            if ended is not None:
-                return Decision(cell, attempt, None, ended)
-            e = self.state.elections.get((cell, attempt))
-            if e is not None and e.outcome is not None:
-                return Decision(cell, attempt, None if e.outcome == FAILED else e.outcome)
             timed_out = time.monotonic() - first_seen >= self.settings.election_timeout_s
-            if timed_out and not voted and e is not None:
-                choice = local_choice(e, timed_out=True)
-                if choice is not None:
-                    self.raft.call("vote", cell, attempt, self.id, choice)
-                    voted = True
-                    continue
+            choice = None
+            with self.state.changed:  # the Raft thread changes elections while it applies entries
+                ended = self.state.outcomes.get(cell)
+                if ended is not None:
+                    return Decision(cell, attempt, None, ended)
+                e = self.state.elections.get((cell, attempt))
+                if e is not None and e.outcome is not None:
+                    return Decision(cell, attempt, None if e.outcome == FAILED else e.outcome)
+                if timed_out and not voted and e is not None:
+                    choice = local_choice(e, timed_out=True)
+            if choice is not None:
+                self.raft.call("vote", cell, attempt, self.id, choice)
+                voted = True
+                continue
             self._wait(lambda: cell in self.state.outcomes or (
                 (cell, attempt) in self.state.elections
                 and self.state.elections[(cell, attempt)].outcome is not None), 0.1)

@@ -221,15 +221,42 @@ class KernelRouter:
         self._disconnect(old)
         new.live = False  # until it answers; it gets no startup grace (see _is_live)
         self._replicas[new.id] = new
-        # Forget what the old process asked or answered: its idles and input requests are moot.
-        for req in self._requests.values():
-            req.idles.pop(new.id, None)
-        for ident, (rid, _) in list(self._stdin_owner.items()):
-            if rid == new.id:
-                del self._stdin_owner[ident]
+        self._forget(new.id)
         if self._ctx is not None and not self._stopped:
             self._connect(new)
         self.log.info("replica %s moved from %s to %s", new.id, old.address, new.address)
+
+    def set_replicas(self, replicas: list[dict]) -> None:
+        """Follow the scheduler's view of the group: connect to a replacement replica (new id, on
+        another node), drop one that was replaced, reconnect one that moved."""
+        wanted = {int(r["id"]): r for r in replicas}
+        if not wanted:
+            return
+        for rid in [i for i in self._replicas if i not in wanted]:
+            old = self._replicas.pop(rid)
+            self._disconnect(old)
+            self._forget(rid)
+            self.log.info("replica %s (%s) left the group", rid, old.address)
+        now = time.monotonic()
+        for rid, r in wanted.items():
+            current = self._replicas.get(rid)
+            new = self._make_replica(r, now)
+            if current is None:
+                new.grace_s = self.startup_grace_s  # it catches up from its peers before it answers
+                self._replicas[rid] = new
+                if self._ctx is not None and not self._stopped:
+                    self._connect(new)
+                self.log.info("replica %s (%s) joined the group", rid, new.address)
+            elif (current.ip, current.ports) != (new.ip, new.ports):
+                self.replace_replica(r)
+
+    def _forget(self, rid: int) -> None:
+        """Drop what a replica that is gone (or restarted) asked or answered: its idles and input requests are moot."""
+        for req in self._requests.values():
+            req.idles.pop(rid, None)
+        for ident, (owner, _) in list(self._stdin_owner.items()):
+            if owner == rid:
+                del self._stdin_owner[ident]
 
     def live_replicas(self) -> list[int]:
         now = time.monotonic()

@@ -438,7 +438,7 @@ class BlobServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             _tune(sock)  # accepted sockets inherit the buffer sizes (window scale at SYN time)
             sock.bind((self.host, self.port))
-            sock.listen(64)
+            sock.listen(socket.SOMAXCONN)
             sock.settimeout(0.2)
         except OSError:
             sock.close()

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
 from gpuhub.replication.election import Election, local_choice
@@ -176,6 +176,8 @@ class RaftGroup:
             dynamicMembershipChange=True,
             raftMinTimeout=0.4, raftMaxTimeout=1.0, connectionTimeout=2.0,
             bindRetryTime=0.2,
+            connectionRetryTime=0.5,  # default 5 s: a restarted peer would wait that long to rejoin
+            useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
         self.sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
 
@@ -203,6 +205,46 @@ class RaftGroup:
                 last = exc.errorCode
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def is_leader(self) -> bool:
+        return self.sync._isLeader()
+
+    def members(self) -> set[str]:
+        """The other members' Raft addresses, as this replica's log has them now."""
+        for _ in range(3):
+            try:
+                return {n.address for n in self.sync.otherNodes}
+            except RuntimeError:  # the Raft thread changed the set while it was copied; read again
+                continue
+        return {n.address for n in self.sync.otherNodes}
+
+    def change_membership(self, want: set[str], timeout_s: float = 10.0) -> str | None:
+        """One Raft membership change toward ``want`` (the other members' addresses), on the leader.
+
+        Removals go first: with one of three members dead, removing it needs the two live ones,
+        while adding first would make a group of four that needs three, the newcomer included.
+        Returns what was done (None: nothing to do); raises RaftUnavailable if it did not commit.
+        """
+        have = self.members()
+        gone, new = sorted(have - want), sorted(want - have)
+        if gone:
+            what, addr, change = "remove", gone[0], self.sync.removeNodeFromCluster
+        elif new:
+            what, addr, change = "add", new[0], self.sync.addNodeToCluster
+        else:
+            return None
+        done = threading.Event()
+        result: dict = {}
+
+        def finished(res, err) -> None:
+            result["err"] = err
+            done.set()
+
+        change(addr, callback=finished)
+        if not done.wait(timeout_s) or result.get("err") != FAIL_REASON.SUCCESS:
+            raise RaftUnavailable(f"membership change ({what} {addr}) did not commit: "
+                                  f"{result.get('err', 'timeout')}")
+        return f"{what} {addr}"
 
     def connected(self, addr: str) -> bool:
         return self.sync.getStatus().get(f"partner_node_status_server_{addr}", 0) == 2

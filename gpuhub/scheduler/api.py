@@ -68,7 +68,7 @@ class KernelsHandler(SchedulerHandler):
         user = await self.require_user()
         body = self.json_body()
         gpus = field(body, "gpus", int, required=False, default=0)
-        replicas = field(body, "replicas", int, required=False, default=1)
+        replicas = field(body, "replicas", int, required=False, default=3)
         if gpus < 0 or replicas < 1 or replicas > 7:
             raise ApiError(400, "gpus must be >= 0 and replicas 1..7")
         try:
@@ -126,7 +126,7 @@ class SchedulerCollector:
         g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
         g.add_metric([], len(s.kernels))
         yield g
-        for key in ("placements", "placement_failures"):
+        for key in ("placements", "placement_failures", "replacements"):
             c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
             c.add_metric([], s.counters[key])
             yield c

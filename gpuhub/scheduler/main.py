@@ -18,15 +18,27 @@ from gpuhub.scheduler.service import Scheduler
 log = logging.getLogger("gpuhub.scheduler")
 
 
-async def reconcile_loop(scheduler: Scheduler) -> None:
-    # The first round waits for agents to heartbeat; later rounds catch drift.
-    await asyncio.sleep(min(10.0, scheduler.config.node_timeout_s))
+async def _step(name: str, step) -> None:
+    try:
+        await step()
+    except Exception:  # noqa: BLE001 - one failed round must not stop the loop
+        log.exception("%s failed", name)
+
+
+async def maintenance_loop(scheduler: Scheduler, heal_every_s: float = 2.0, reconcile_every_s: float = 30.0) -> None:
+    """Heal (replace replicas on lost nodes) often, reconcile the books with the agents now and then.
+
+    One task runs both, one after the other, so a reconcile never sees a replacement unit that the
+    books do not list yet. The first reconcile waits for the agents' first heartbeats.
+    """
+    loop = asyncio.get_running_loop()
+    next_reconcile = loop.time() + min(10.0, scheduler.config.node_timeout_s)
     while True:
-        try:
-            await scheduler.reconcile()
-        except Exception:
-            log.exception("reconcile failed")
-        await asyncio.sleep(30)
+        await _step("heal", scheduler.heal)
+        if loop.time() >= next_reconcile:
+            await _step("reconcile", scheduler.reconcile)
+            next_reconcile = loop.time() + reconcile_every_s
+        await asyncio.sleep(heal_every_s)
 
 
 async def serve(scheduler: Scheduler, token: str) -> None:
@@ -36,7 +48,7 @@ async def serve(scheduler: Scheduler, token: str) -> None:
     server.listen(scheduler.config.port, address=scheduler.config.listen_address)
     log.info("gpuhub-scheduler listening on %s:%d (%d kernel(s) in the books)",
              scheduler.config.listen_address, scheduler.config.port, len(scheduler.kernels))
-    task = asyncio.create_task(reconcile_loop(scheduler))
+    task = asyncio.create_task(maintenance_loop(scheduler))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -67,8 +67,17 @@ class KernelRecord:
     gpus: int
     replicas: list[ReplicaRecord] = field(default_factory=list)
     created_at: float = 0.0
+    cwd: str = ""
+    # The kernel's connection key, kept (books are 0600) to start a replacement replica; never in a view.
+    key: str = field(default="", repr=False)
+    peers_pending: bool = False  # a replacement's peers still have to reach every replica
 
     def view(self) -> dict:
+        v = asdict(self)
+        del v["key"], v["peers_pending"]
+        return v
+
+    def books(self) -> dict:
         return asdict(self)
 
 
@@ -79,14 +88,16 @@ class Scheduler:
         self.nodes: dict[str, NodeRecord] = {}
         self.kernels: dict[str, KernelRecord] = {}
         self.path = Path(config.state_dir) / "books.json"
-        self.counters = {"placements": 0, "placement_failures": 0}
+        self.counters = {"placements": 0, "placement_failures": 0, "replacements": 0}
+        self.started = time.time()
+        self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
 
     # --- books -----------------------------------------------------------------
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         data = {
             "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen} for n, r in self.nodes.items()},
-            "kernels": {k: r.view() for k, r in self.kernels.items()},
+            "kernels": {k: r.books() for k, r in self.kernels.items()},
         }
         tmp = self.path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -155,7 +166,7 @@ class Scheduler:
         except PlacementError:
             self.counters["placement_failures"] += 1
             raise
-        record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time())
+        record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time(), cwd=cwd, key=key)
         try:
             for i, node in enumerate(chosen):
                 record.replicas.append(await self._start_replica(record, i, node.name, key, cwd))
@@ -204,6 +215,77 @@ class Scheduler:
             if node is None:
                 raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
             await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
+
+    # --- healing: a replacement for a replica whose node was lost (DESIGN §3.5) --------------
+    def node_live(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return node is not None and self.live(node)
+
+    async def heal(self) -> None:
+        """Replace every replica whose node stopped heartbeating with one on another node.
+
+        The survivors keep the kernel working meanwhile (a Raft majority); the new replica joins
+        their group and catches up from a snapshot plus the log. Without a majority nothing is
+        replaced: the group could not commit the membership change.
+        """
+        if time.time() - self.started < self.config.node_timeout_s:
+            return  # after a restart every node gets one heartbeat period before it counts as lost
+        for record in list(self.kernels.values()):
+            if record.peers_pending:
+                await self._resend_peers(record)
+            lost = [r for r in record.replicas if not self.node_live(r.node)]
+            if lost:
+                await self._replace_lost(record, lost)
+
+    def _note(self, record: KernelRecord, why: str) -> None:
+        if self._heal_notes.get(record.kernel_id) != why:
+            self._heal_notes[record.kernel_id] = why
+            log.warning("kernel %s: %s", record.kernel_id, why)
+
+    async def _replace_lost(self, record: KernelRecord, lost: list[ReplicaRecord]) -> None:
+        alive = len(record.replicas) - len(lost)
+        if 2 * alive <= len(record.replicas):
+            self._note(record, f"only {alive} of {len(record.replicas)} replicas are on live nodes; "
+                               "without a majority its replicas cannot be replaced")
+            return
+        if not record.key:
+            self._note(record, "its key is not in the books (placed by an older scheduler); "
+                               "lost replicas cannot be replaced")
+            return
+        for rep in lost:
+            try:
+                target = place_replicas(self.node_views(), record.gpus, len(record.replicas),
+                                        self.config.max_subscription_ratio,
+                                        exclude=[r.node for r in record.replicas], count=1)[0]
+            except PlacementError as exc:
+                self._note(record, f"replica {rep.id} on lost node {rep.node} cannot be replaced yet: {exc}")
+                return
+            new_id = max(r.id for r in record.replicas) + 1
+            try:
+                new = await self._start_replica(record, new_id, target.name, record.key, record.cwd)
+            except ApiClientError as exc:
+                self._note(record, f"starting a replacement for replica {rep.id} on {target.name} failed: {exc}")
+                return
+            if self.kernels.get(record.kernel_id) is not record:  # shut down meanwhile
+                await self._stop_replica(new)
+                return
+            record.replicas = [r for r in record.replicas if r is not rep] + [new]
+            record.peers_pending = True
+            self.counters["replacements"] += 1
+            self._heal_notes.pop(record.kernel_id, None)
+            self.save()
+            log.info("kernel %s: replica %d on lost node %s replaced by replica %d on %s",
+                     record.kernel_id, rep.id, rep.node, new.id, new.node)
+            await self._resend_peers(record)
+
+    async def _resend_peers(self, record: KernelRecord) -> None:
+        try:
+            await self._send_peers(record)
+        except ApiClientError as exc:
+            self._note(record, f"could not tell every replica its new group yet: {exc}")
+            return
+        record.peers_pending = False
+        self.save()
 
     async def _stop_replica(self, rep: ReplicaRecord) -> None:
         node = self.nodes.get(rep.node)
@@ -264,7 +346,12 @@ class Scheduler:
                     rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [], time.time())
                     log.warning("reconcile: adopted kernel %s found on %s", kid, node.name)
                 known = next((r for r in rec.replicas if r.unit == name), None)
-                if known is None:
+                if known is None and rec.key:
+                    # A replica that was replaced while its node was away: the group moved on.
+                    log.warning("reconcile: stopping %s on %s, a replaced replica of kernel %s", name, node.name, kid)
+                    await self._stop_replica(ReplicaRecord(node.name, name, id=-1))
+                    seen[node.name].discard(name)
+                elif known is None:
                     rid = u.get("replica_id")
                     rec.replicas.append(ReplicaRecord(node.name, name, u.get("connection"),
                                                       id=rid if isinstance(rid, int) else -1,

@@ -90,6 +90,18 @@ class ReplicatedKernel:
         finally:
             kc.stop_channels()
 
+    def refresh(self) -> dict:
+        """Re-read the kernel from the scheduler and let the router follow it (the provisioner's poll)."""
+        status, self.record = self.cluster.scheduler_call("GET", f"/api/v1/kernels/{self.kernel_id}")
+        assert status == 200, self.record
+        replicas = [{"id": r["id"], **r["connection"]} for r in self.record["replicas"]]
+
+        async def follow():
+            self.router.set_replicas(replicas)
+
+        self.loop.run(follow())
+        return self.record
+
     def close(self) -> None:
         self.kc.stop_channels()
         self.loop.run(self.router.stop())
@@ -261,3 +273,58 @@ def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     assert time.monotonic() - started < 15
     out = ok(cpu_kernel, "print(x)")
     assert out["stdout"].strip() == "1"
+
+
+def eventually(check, timeout_s: float, what: str):
+    """Retry ``check`` until it returns a truthy value (or stops raising); fail with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+            last = "returned nothing"
+        except (AssertionError, TimeoutError, RuntimeError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout_s:g} s ({last})")
+        time.sleep(0.5)
+
+
+def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_path):
+    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, node_timeout_s=3).start()
+    kernel = None
+    try:
+        kernel = ReplicatedKernel(cluster, gpus=1)
+        ok(kernel, "import numpy as np\nbig = np.arange(1_000_000)\nx = 1")
+        first = executor_node(kernel)
+        placed = {r["node"] for r in kernel.record["replicas"]}
+        spare = next(a.name for a in cluster.agents if a.name not in placed)
+        lost = next(r for r in kernel.record["replicas"] if r["node"] != first)
+        # The lost node's power goes: its agent and its replica die at once.
+        pid = kernel.pid(lost["id"])
+        cluster.agent(lost["node"]).stop(kill=True)
+        os.kill(pid, signal.SIGKILL)
+        ok(kernel, "x += 1; big[:5] = 9", timeout=30)  # two replicas are a majority
+
+        def replaced():
+            record = kernel.refresh()
+            nodes = {r["node"]: r for r in record["replicas"]}
+            return nodes.get(spare) if lost["node"] not in nodes else None
+        new = eventually(replaced, 60, f"a replacement replica on {spare}")
+        assert new["id"] not in {r["id"] for r in kernel.record["replicas"] if r is not new}
+        rids = tuple(r["id"] for r in kernel.record["replicas"])
+        view = eventually(lambda: assert_equal_namespaces(kernel, ["x", "big"], rids), 60,
+                          "the replacement holding the group's namespace")
+        assert view["x"].endswith("2") and " ".join(view["big"].split()).startswith("[ 9 9 9")
+        # It takes part in elections: with the other replicas' GPUs taken, it runs the next cell.
+        for node in {r["node"] for r in kernel.record["replicas"]} - {spare}:
+            take_the_gpu(cluster.agent(node), f"hog{node[-1]}")
+        assert executor_node(kernel) == spare
+        ok(kernel, "x *= 10")
+        view = assert_equal_namespaces(kernel, ["x"], rids)
+        assert view["x"].endswith("20"), view
+    finally:
+        if kernel is not None:
+            kernel.close()
+        cluster.stop()
