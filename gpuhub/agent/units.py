@@ -248,7 +248,7 @@ class ProcessRunner(SystemdRunner):
             write_private(udir / fname, content, me.pw_uid, me.pw_gid)
         # Like systemd's: the agent reads it back after a restart (lease token, replica id).
         write_private(self.runtime_dir / "units" / f"{spec.name}.env", env_text, me.pw_uid, me.pw_gid)
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL")}
         env.update(spec.env)
         cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir
         log_path = udir / "output.log"

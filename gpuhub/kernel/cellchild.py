@@ -15,8 +15,10 @@ import ctypes
 import getpass
 import io
 import os
+import queue
 import signal
 import sys
+import threading
 import types
 
 import cloudpickle
@@ -122,6 +124,33 @@ def prefer_huge_pages(value) -> bool:
         return libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0
     except (OSError, AttributeError):
         return False
+
+
+_collapse_queue: "queue.SimpleQueue | None" = None
+
+
+def collapse_later(value) -> None:
+    """:func:`prefer_huge_pages` on a background thread (madvise releases the GIL), so collapsing a
+    new large value costs the GPU kernel's next cells a cheaper fork, not this cell's reply."""
+    global _collapse_queue
+    try:
+        where = _buffer_range(value)
+    except (TypeError, ValueError, AttributeError):
+        return
+    if where is None or where[1] < HUGE_MIN_BYTES:
+        return
+    if _collapse_queue is None:
+        _collapse_queue = queue.SimpleQueue()
+        threading.Thread(target=_collapse_worker, args=(_collapse_queue,), name="gpuhub-huge-pages",
+                         daemon=True).start()
+    _collapse_queue.put(value)
+
+
+def _collapse_worker(work: "queue.SimpleQueue") -> None:
+    while True:
+        value = work.get()
+        prefer_huge_pages(value)
+        del value  # do not keep the last value alive while waiting
 
 
 def _die_with_parent() -> None:

@@ -55,6 +55,7 @@ class GpuhubKernel(IPythonKernel):
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self.replica = Replica.from_env(self.session.key)
         if self.replica is not None:
+            self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
             self._join_group()
 
     def _join_group(self) -> None:
@@ -125,8 +126,8 @@ class GpuhubKernel(IPythonKernel):
                 self.grants.release(grant)  # losers give their tentative grant back at once
             if decision.outcome is not None:  # this replica is late: the cell already ended
                 return self._follow(decision.outcome)
-            log.debug("cell %s attempt %d: executor %s after %.1f ms", cell, attempt, decision.executor,
-                      (time.monotonic() - started) * 1000)
+            log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
+                      decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader())
             if decision.executor == rep.id:
                 self._show_startup_notice()
                 return await self._run_here(cell, attempt, grant, code, silent, store_history,
@@ -353,6 +354,7 @@ class GpuhubKernel(IPythonKernel):
                 sys.stderr.write(f"[gpuhub] warning: variable {name!r} could not be restored "
                                  f"after the GPU cell ({type(exc).__name__}: {exc}); it keeps its old value\n")
                 continue
+            cellchild.collapse_later(ns[name])  # the next GPU cell's fork copies fewer page-table entries
             self._digests[name] = cellchild.digest(data)
             if name in delta["device_tags"]:
                 self._device_tags[name] = delta["device_tags"][name]

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhub.kernel import cellchild
 from gpuhub.replication import blobs
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
@@ -117,6 +118,9 @@ class Replica:
         self.state: KernelLog = self.raft.log
         self.interrupted = threading.Event()
         self._closing = threading.Event()
+        # GPU kernels fork for every cell: large values and their pickles go to 2 MiB pages so the
+        # fork stays cheap (cellchild.collapse_later). CPU kernels never fork.
+        self.huge_pages = False
         self._peers_file: str | None = None
         self._peers_mtime = 0
 
@@ -234,6 +238,8 @@ class Replica:
             if not small:
                 self.store.put(d, data)
                 to_push[d] = data
+                if self.huge_pages:
+                    cellchild.collapse_later(data)
         if to_push:
             # Best effort: a replica that missed a blob fetches it from a peer when it applies.
             for addr, err in blobs.push_all(self.other_blob_addrs(), self.key, to_push).items():
@@ -269,7 +275,11 @@ class Replica:
             if data is None:
                 data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest)
                 self.store.put(entry.digest, data)
-        return pickle.loads(data)
+        value = pickle.loads(data)
+        if self.huge_pages:
+            cellchild.collapse_later(data)  # kept in the store: forked with the process too
+            cellchild.collapse_later(value)
+        return value
 
     def sync_namespace(self, ns: dict, digests: dict[str, str], device_tags: dict[str, int],
                        force: set[str] = frozenset()) -> list[str]:
