@@ -90,6 +90,10 @@ class AgentConfig:
     roles: list = field(default_factory=lambda: ["gpu", "notebook"])
     heartbeat_interval_s: float = 5.0
     lease_check_interval_s: float = 2.0
+    # Ports of kernel units (5 Jupyter + Raft + blob each), [first, last]. Below Linux's ephemeral
+    # range (32768-60999), so no outgoing connection grabs one between allocation and bind, and a
+    # known range to open between GPU nodes and notebook hosts in a firewall.
+    kernel_ports: list = field(default_factory=lambda: [20000, 29999])
     gpus: dict = field(default_factory=dict)
     limits: dict = field(default_factory=dict)
 
@@ -98,6 +102,10 @@ class AgentConfig:
             raise ConfigError(f"unit_backend must be 'systemd' or 'process', not {self.unit_backend!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1..65535, not {self.port}")
+        if (len(self.kernel_ports) != 2 or not all(isinstance(p, int) for p in self.kernel_ports)
+                or not 1024 <= self.kernel_ports[0] <= self.kernel_ports[1] - 6 <= 65535 - 6):
+            raise ConfigError(f"kernel_ports must be [first, last] with 1024 <= first and at least 7 ports "
+                              f"up to 65535, not {self.kernel_ports!r}")
         if not self.advertise_url:
             self.advertise_url = f"http://{self.kernel_ip}:{self.port}"
 

@@ -25,8 +25,11 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, tmp: Path, name: str, gpus: int, extra: str = "") -> None:
+    def __init__(self, tmp: Path, name: str, gpus: int, extra: str = "", port_block: int | None = None) -> None:
         self.name = name
+        # Agents on one host: each gets its own block of kernel ports, so two never hand out one port.
+        block = secrets.randbelow(14) if port_block is None else port_block % 14
+        ports = "" if "kernel_ports" in extra else f"kernel_ports = [{20000 + 700 * block}, {20000 + 700 * block + 699}]\n"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
@@ -41,7 +44,7 @@ class AgentProcess:
             f'node_name = "{name}"\nlisten_address = "127.0.0.1"\nport = {self.port}\n'
             f'kernel_ip = "127.0.0.1"\ntoken_file = "{token_file}"\nstate_dir = "{self.dir}/state"\n'
             f'runtime_dir = "{self.dir}/run"\nunit_backend = "process"\nmin_uid = 0\n'
-            f'lease_check_interval_s = 0.5\n{extra}\n'
+            f'lease_check_interval_s = 0.5\n{ports}{extra}\n'
             f'[gpus]\nbackend = "{"fake" if gpus else "none"}"\nfake = [{fake}]\n'
         )
         self.proc: subprocess.Popen | None = None
@@ -153,7 +156,7 @@ class DevCluster:
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)
             token_file.chmod(0o600)
-            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, extra=(
+            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=i, extra=(
                 f'scheduler_url = "{self.scheduler.url}"\nscheduler_token_file = "{token_file}"\n'
                 'heartbeat_interval_s = 0.5'))
             a.token = self.agent_token

@@ -58,18 +58,28 @@ def sha256(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-def free_ports(ip: str, n: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((ip, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
+def free_ports(ip: str, n: int, first: int, last: int, taken: set[int]) -> list[int]:
+    """``n`` ports in [first, last] that no unit of this agent has and nothing listens on now.
+
+    Starts at a random point so that agents sharing one host (dev clusters) seldom try the same
+    port; a port is only tested by binding it, so a unit that has not bound its ports yet is
+    protected by ``taken``, not by the test."""
+    span = last - first + 1
+    start = secrets.randbelow(span)
+    ports: list[int] = []
+    for i in range(span):
+        port = first + (start + i) % span
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise UnitError(f"no {n} free kernel ports left in {first}-{last} on {ip} (kernel_ports in the agent's config)")
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -259,7 +269,9 @@ class Agent:
             token = secrets.token_urlsafe(32)
             record.lease_token_sha256 = sha256(token)
             record.replica_id = replica_id
-            ports = free_ports(self.config.kernel_ip, len(JUPYTER_PORTS) + 2)
+            taken = {p for u in self.units.values() if u.connection
+                     for k, p in u.connection.items() if k.endswith("_port")}
+            ports = free_ports(self.config.kernel_ip, len(JUPYTER_PORTS) + 2, *self.config.kernel_ports, taken)
             conn = {
                 "ip": self.config.kernel_ip,
                 "transport": "tcp",

@@ -251,7 +251,9 @@ class ProcessRunner(SystemdRunner):
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL")}
         env.update(spec.env)
         cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir
-        log_path = udir / "output.log"
+        # Outside the unit's directory, so it outlives the unit as the journal would.
+        log_path = self.runtime_dir / "logs" / f"{spec.name}.log"
+        log_path.parent.mkdir(exist_ok=True, mode=0o700)
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
                 spec.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,

@@ -53,6 +53,7 @@ class GpuhubKernel(IPythonKernel):
         self._startup_notice = self._notebook_dir_notice()
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
+        self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         self.replica = Replica.from_env(self.session.key)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
@@ -120,8 +121,11 @@ class GpuhubKernel(IPythonKernel):
         rep.interrupted.clear()
         started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
         while True:
+            asked = time.monotonic()
             grant = self._try_grant()
+            granted = time.monotonic()
             decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
+            self._phases = {"grant": granted - asked, "elect": time.monotonic() - granted}
             if grant is not None and decision.executor != rep.id:
                 self.grants.release(grant)  # losers give their tentative grant back at once
             if decision.outcome is not None:  # this replica is late: the cell already ended
@@ -171,6 +175,7 @@ class GpuhubKernel(IPythonKernel):
                         allow_stdin, cell_meta, cell_id) -> dict:
         """This replica is the executor: run the cell, publish its delta, then reply."""
         shell, rep = self.shell, self.replica
+        began = time.monotonic()
         hidden = set(shell.user_ns_hidden)
         if self.gpus == 0:
             before = {k: id(v) for k, v in shell.user_ns.items() if k not in hidden}
@@ -187,13 +192,17 @@ class GpuhubKernel(IPythonKernel):
             try:
                 reply, delta = self._run_child(shell, code, silent, store_history, user_expressions or {},
                                                grant.uuids)
+                self._phases["child"] = time.monotonic() - began
             finally:
                 self.grants.release(grant)
             delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}}
         ran = time.monotonic()
+        self._phases["run"] = ran - began
         won, entries = rep.commit_cell(cell, attempt, reply["status"], delta["set"], delta["deleted"],
                                        delta["device_tags"], shell.execution_count)
-        log.debug("cell %s: %d value(s) committed in %.1f ms", cell, len(entries), (time.monotonic() - ran) * 1000)
+        self._phases["commit"] = time.monotonic() - ran
+        log.debug("cell %s: %d value(s) committed; %s", cell, len(entries),
+                  ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
         if not won:
             # An abort committed first (this replica was cut off): take the group's state instead.
             touched = set(delta["set"]) | set(delta["deleted"]) | set(delta["failed"])

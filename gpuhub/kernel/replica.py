@@ -116,6 +116,7 @@ class Replica:
         others = [p.raft for p in peers if p.id != replica_id]
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))
         self.state: KernelLog = self.raft.log
+        self.state.on_apply = self._on_apply
         self.interrupted = threading.Event()
         self._closing = threading.Event()
         # GPU kernels fork for every cell: large values and their pickles go to 2 MiB pages so the
@@ -135,6 +136,18 @@ class Replica:
                       os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
         replica.watch_peers(peers_file)
         return replica
+
+    def _on_apply(self, kind: str, cell: str) -> None:
+        """On the Raft thread, after each entry. When a cell completed on another replica, the
+        leader hands leadership to that executor: the executor's commits then take one round trip
+        and apply locally at once, and since executors are sticky, an idle replica is seldom the
+        leader, so losing one needs no Raft election before the next cell."""
+        if kind != "complete":
+            return
+        outcome = self.state.outcomes.get(cell)
+        peer = self.peers.get(outcome.by) if outcome is not None else None
+        if peer is not None and peer.id != self.id:
+            self.raft.hand_leadership_to(peer.raft)
 
     def wait_ready(self) -> None:
         if not self.raft.wait_ready(self.settings.ready_timeout_s):

@@ -246,6 +246,12 @@ class RaftGroup:
                                   f"{result.get('err', 'timeout')}")
         return f"{what} {addr}"
 
+    def hand_leadership_to(self, addr: str) -> None:
+        """If this replica leads, ask ``addr`` to take over (pysyncobj TimeoutNow; it must be fully
+        caught up, else nothing happens). Call on the Raft thread (e.g. from ``on_apply``)."""
+        if self.sync._isLeader():
+            self.sync.transferLeadership(addr)
+
     def connected(self, addr: str) -> bool:
         return self.sync.getStatus().get(f"partner_node_status_server_{addr}", 0) == 2
 

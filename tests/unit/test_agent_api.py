@@ -141,6 +141,24 @@ def test_config_errors_are_clear(tmp_path):
     p.write_text('unit_backend = "docker"\n')
     with pytest.raises(ConfigError, match="unit_backend"):
         load_agent_config(str(p))
+    for bad in ("[30000]", "[30000, 30003]", "[80, 2000]", '["a", "b"]'):
+        p.write_text(f"kernel_ports = {bad}\n")
+        with pytest.raises(ConfigError, match="kernel_ports must be"):
+            load_agent_config(str(p))
+
+
+def test_kernel_ports_come_from_the_configured_range_and_are_not_handed_out_twice(make_agent):
+    agent = make_agent(extra="kernel_ports = [28000, 28013]")  # room for exactly two kernel units
+    names = [f"gpuhub-kernel-k{i}-r0" for i in range(3)]
+    body = {"kind": "kernel", "user": current_user(), "gpus": 0, "kernel": {"key": "k", "kernel_id": "k"}}
+    ports = []
+    for name in names[:2]:
+        status, unit = agent.call("POST", "/api/v1/units", {"name": name, **body})
+        assert status == 201, unit
+        ports += [v for k, v in unit["connection"].items() if k.endswith("_port")]
+    assert sorted(ports) == list(range(28000, 28014))
+    status, err = agent.call("POST", "/api/v1/units", {"name": names[2], **body})
+    assert status >= 400 and "no 7 free kernel ports left in 28000-28013" in err["error"]
 
 
 def test_world_readable_token_refused(tmp_path):
