@@ -21,24 +21,19 @@ run, its cells interleaved with the measured kernel's in rounds so that machine 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
-import secrets
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
 
 from jupyter_client import BlockingKernelClient, KernelManager
 
 from bench.kernel_bench import pct
-from gpuhub.devcluster import DevCluster
-from gpuhub.kernel.router import KernelRouter
+from gpuhub.devcluster import DevCluster, DevKernel
 
 CELLS = 200
 WARMUP = 20
@@ -48,59 +43,6 @@ GIB = 1 << 30
 B3_CELLS = 5
 B4_KERNELS = 5
 PARTS = ("B1", "B2", "B3", "B4")
-
-
-class LoopThread:
-    """An asyncio loop in a thread, for the router while this thread blocks on its client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class Replicated:
-    """A 3-replica kernel placed by the DevCluster's scheduler, behind a router, with a client."""
-
-    def __init__(self, cluster: DevCluster, gpus: int) -> None:
-        self.cluster = cluster
-        self.key = secrets.token_hex(16)
-        self.kernel_id = "bench-" + uuid.uuid4().hex[:8]
-        status, self.record = cluster.scheduler_call("POST", "/api/v1/kernels", {
-            "kernel_id": self.kernel_id, "key": self.key, "gpus": gpus, "replicas": 3,
-            "cwd": os.getcwd()})
-        if status not in (200, 201):
-            raise RuntimeError(f"the scheduler refused the kernel: {self.record}")
-        self.loop = LoopThread()
-        self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
-                                   self.key.encode())
-        conn = self.loop.run(self.router.start())
-        self.kc = BlockingKernelClient()
-        self.kc.load_connection_info({**conn, "key": self.key.encode()})
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    def pid(self, replica: dict) -> int:
-        _, unit = self.cluster.agent(replica["node"]).call("GET", f"/api/v1/units/{replica['unit']}")
-        return unit["main_pid"]
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        try:
-            self.loop.run(self.router.stop())
-        finally:
-            self.loop.close()
-            try:
-                self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
-            except OSError:
-                pass
 
 
 def cell(kc: BlockingKernelClient, code: str, timeout: float = 120) -> tuple[float, dict]:
@@ -185,14 +127,14 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
     cluster = DevCluster(tmp / "cluster", nodes=3, gpus_per_node=1).start()
     try:
         if "B1" in parts:
-            k = Replicated(cluster, gpus=0)
+            k = DevKernel(cluster, gpus=0)
             try:
                 t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
                 results["B1"] = row("B1 CPU kernel, 3 replicas", t["cpu"], t["plain"])
             finally:
                 k.close()
         if "B2" in parts:
-            k = Replicated(cluster, gpus=1)
+            k = DevKernel(cluster, gpus=1)
             try:
                 t = interleaved({"gpu": k.kc, "plain": plain}, "x = 1")
                 results["B2-small"] = row("B2 GPU kernel, 3 replicas, no big array", t["gpu"], t["plain"])
@@ -205,7 +147,7 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
             finally:
                 k.close()
         if "B3" in parts:
-            k = Replicated(cluster, gpus=0)
+            k = DevKernel(cluster, gpus=0)
             try:
                 results["B3-setup-s"], results["B3-setup-aborts"] = setup(k.kc, BIG)
                 cell(plain, BIG)
@@ -237,13 +179,13 @@ def run_b4(tmp: Path, results: dict, kernels: int = B4_KERNELS) -> None:
     for i in range(kernels):
         cluster = DevCluster(tmp / f"b4-{i}", nodes=3, gpus_per_node=1).start()
         try:
-            k = Replicated(cluster, gpus=0)
+            k = DevKernel(cluster, gpus=0)
             try:
                 for _ in range(3):
                     cell(k.kc, "x = 1")
                 node = output_of(k.kc, "import os; print(os.environ['GPUHUB_NODE'])").strip()
                 idle = next(r for r in k.record["replicas"] if r["node"] != node)
-                pid = k.pid(idle)
+                pid = k.pid(idle["id"])
                 cluster.agent(idle["node"]).stop(kill=True)
                 os.kill(pid, signal.SIGKILL)
                 elapsed, _ = cell(k.kc, "x += 1", timeout=120)

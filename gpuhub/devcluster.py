@@ -6,12 +6,14 @@ backend); nothing is mocked. Traffic stays on the loopback interface.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -194,3 +196,80 @@ class DevCluster:
             a.stop()
         if self.scheduler is not None:
             self.scheduler.stop()
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for a router while the caller blocks on its client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class DevKernel:
+    """A replicated kernel placed by a DevCluster's scheduler, shown as one kernel by a
+    :class:`~gpuhub.kernel.router.KernelRouter` (what the provisioner does inside a Jupyter server),
+    with a connected ``BlockingKernelClient`` as ``kc``. For tests and benchmarks."""
+
+    def __init__(self, cluster: DevCluster, gpus: int, replicas: int = 3, ready_timeout_s: float = 120) -> None:
+        from jupyter_client import BlockingKernelClient
+
+        from gpuhub.kernel.router import KernelRouter
+
+        self.cluster = cluster
+        self.key = secrets.token_hex(16)
+        self.kernel_id = "dev-" + secrets.token_hex(5)
+        status, self.record = cluster.scheduler_call("POST", "/api/v1/kernels", {
+            "kernel_id": self.kernel_id, "key": self.key, "gpus": gpus, "replicas": replicas,
+            "cwd": os.getcwd()})
+        if status not in (200, 201):
+            raise RuntimeError(f"the scheduler refused the kernel: {self.record}")
+        self.loop = LoopThread()
+        self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
+                                   self.key.encode())
+        conn = self.loop.run(self.router.start())
+        self.kc = BlockingKernelClient()
+        self.kc.load_connection_info({**conn, "key": self.key.encode()})
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=ready_timeout_s)
+
+    def replica(self, rid: int) -> dict:
+        return next(r for r in self.record["replicas"] if r["id"] == rid)
+
+    def pid(self, rid: int) -> int:
+        r = self.replica(rid)
+        _, unit = self.cluster.agent(r["node"]).call("GET", f"/api/v1/units/{r['unit']}")
+        return unit["main_pid"]
+
+    def refresh(self) -> dict:
+        """Re-read the kernel from the scheduler and let the router follow it (the provisioner's poll)."""
+        status, record = self.cluster.scheduler_call("GET", f"/api/v1/kernels/{self.kernel_id}")
+        if status != 200:
+            raise RuntimeError(f"the scheduler has no kernel {self.kernel_id}: {record}")
+        self.record = record
+        replicas = [{"id": r["id"], **r["connection"]} for r in record["replicas"]]
+
+        async def follow() -> None:
+            self.router.set_replicas(replicas)
+
+        self.loop.run(follow())
+        return record
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        try:
+            self.loop.run(self.router.stop())
+        finally:
+            self.loop.close()
+            try:
+                self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
+            except OSError:
+                pass

@@ -228,6 +228,7 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
     ``tracker`` (armed before the cell over names whose values the group has, see
     gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest."""
     changed: dict[str, bytes] = {}
+    hashed: dict[str, str] = {}  # digests computed here, so the commit need not hash 1 GiB again
     tags: dict[str, int] = {}
     failed: dict[str, str] = {}
     for name, value in list(ns.items()):
@@ -245,9 +246,12 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
             if rebound:
                 failed[name] = f"{type(value).__name__}: {exc}"
             continue
-        if rebound or digests.get(name) != digest(data):
+        if not rebound:
+            hashed[name] = digest(data)
+        if rebound or digests.get(name) != hashed[name]:
             changed[name] = data
             if index is not None:
                 tags[name] = index
     deleted = [name for name in before if name not in ns and not name.startswith("_")]
-    return {"set": changed, "deleted": deleted, "device_tags": tags, "failed": failed}
+    return {"set": changed, "deleted": deleted, "device_tags": tags, "failed": failed,
+            "digests": {name: d for name, d in hashed.items() if name in changed}}

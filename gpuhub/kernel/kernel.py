@@ -195,11 +195,11 @@ class GpuhubKernel(IPythonKernel):
                 self._phases["child"] = time.monotonic() - began
             finally:
                 self.grants.release(grant)
-            delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}}
+            delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}, "digests": {}}
         ran = time.monotonic()
         self._phases["run"] = ran - began
         won, entries = rep.commit_cell(cell, attempt, reply["status"], delta["set"], delta["deleted"],
-                                       delta["device_tags"], shell.execution_count)
+                                       delta["device_tags"], shell.execution_count, delta.get("digests"))
         self._phases["commit"] = time.monotonic() - ran
         log.debug("cell %s: %d value(s) committed; %s", cell, len(entries),
                   ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
@@ -215,6 +215,7 @@ class GpuhubKernel(IPythonKernel):
             for name in delta["deleted"]:
                 self._digests.pop(name, None)
         else:
+            delta["digests"] = {name: entry.digest for name, entry in entries.items()}
             self._apply_delta(delta)
         return reply
 
@@ -364,7 +365,7 @@ class GpuhubKernel(IPythonKernel):
                                  f"after the GPU cell ({type(exc).__name__}: {exc}); it keeps its old value\n")
                 continue
             cellchild.collapse_later(ns[name])  # the next GPU cell's fork copies fewer page-table entries
-            self._digests[name] = cellchild.digest(data)
+            self._digests[name] = delta.get("digests", {}).get(name) or cellchild.digest(data)
             if name in delta["device_tags"]:
                 self._device_tags[name] = delta["device_tags"][name]
             else:

@@ -239,13 +239,15 @@ class Replica:
 
     # --- 2. the executor's end of a cell ----------------------------------------------
     def commit_cell(self, cell: str, attempt: int, status: str, pickles: dict[str, bytes],
-                    deleted: list[str], device_tags: dict[str, int],
-                    execution_count: int) -> tuple[bool, dict[str, NameEntry]]:
-        """Publish the names the cell changed; False if the cell had already been aborted."""
+                    deleted: list[str], device_tags: dict[str, int], execution_count: int,
+                    known_digests: dict[str, str] | None = None) -> tuple[bool, dict[str, NameEntry]]:
+        """Publish the names the cell changed; False if the cell had already been aborted.
+        ``known_digests``: digests of some of ``pickles`` the caller already computed."""
         entries: dict[str, NameEntry] = {}
         to_push: dict[str, bytes] = {}
+        known_digests = known_digests or {}
         for name, data in pickles.items():
-            d = blobs.digest(data)
+            d = known_digests.get(name) or blobs.digest(data)
             small = len(data) <= self.settings.inline_max_bytes
             entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
             if not small:

@@ -3,40 +3,20 @@ the router and a real jupyter_client client (issue: Raft-replicated kernels)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import secrets
 import signal
 import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
-from gpuhub.devcluster import DevCluster, current_user
-from gpuhub.kernel.router import KernelRouter
+from gpuhub.devcluster import DevCluster, DevKernel, current_user
 from tests.integration.test_gpu_cells import run
-
-
-class LoopThread:
-    """An asyncio loop in a thread, for the router while the test blocks on its client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 def string_form(inspected: str) -> str:
@@ -46,31 +26,8 @@ def string_form(inspected: str) -> str:
     return match.group(1).strip() if match else text
 
 
-class ReplicatedKernel:
-    def __init__(self, cluster: DevCluster, gpus: int, env: dict | None = None) -> None:
-        self.cluster = cluster
-        self.key = secrets.token_hex(16)
-        self.kernel_id = uuid.uuid4().hex[:10]
-        status, self.record = cluster.scheduler_call("POST", "/api/v1/kernels", {
-            "kernel_id": self.kernel_id, "key": self.key, "gpus": gpus, "replicas": 3, "cwd": os.getcwd(),
-            **({"env": env} if env else {})})
-        assert status in (200, 201), self.record
-        self.loop = LoopThread()
-        self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
-                                   self.key.encode())
-        conn = self.loop.run(self.router.start())
-        self.kc = BlockingKernelClient()
-        self.kc.load_connection_info({**conn, "key": self.key.encode()})
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
-
-    def replica(self, rid: int) -> dict:
-        return next(r for r in self.record["replicas"] if r["id"] == rid)
-
-    def pid(self, rid: int) -> int:
-        r = self.replica(rid)
-        _, unit = self.cluster.agent(r["node"]).call("GET", f"/api/v1/units/{r['unit']}")
-        return unit["main_pid"]
+class ReplicatedKernel(DevKernel):
+    """A DevKernel whose replicas' namespaces the test can look at one by one."""
 
     def direct_client(self, rid: int) -> BlockingKernelClient:
         """A client of one replica only: for looking at its namespace (inspect needs no election)."""
@@ -89,24 +46,6 @@ class ReplicatedKernel:
             return out
         finally:
             kc.stop_channels()
-
-    def refresh(self) -> dict:
-        """Re-read the kernel from the scheduler and let the router follow it (the provisioner's poll)."""
-        status, self.record = self.cluster.scheduler_call("GET", f"/api/v1/kernels/{self.kernel_id}")
-        assert status == 200, self.record
-        replicas = [{"id": r["id"], **r["connection"]} for r in self.record["replicas"]]
-
-        async def follow():
-            self.router.set_replicas(replicas)
-
-        self.loop.run(follow())
-        return self.record
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.loop.run(self.router.stop())
-        self.loop.close()
-        self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
 
 
 @pytest.fixture

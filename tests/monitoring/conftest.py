@@ -166,7 +166,7 @@ def _scheduler_body() -> Callable[[], bytes]:
         node_views=lambda: [view(4, 6, 1), view(2, 3, 1)],
         nodes={"gpu1": 1, "gpu2": 2, "hub1": 3},
         kernels={"k1": 1, "k2": 2, "k3": 3},
-        counters={"placements": 0, "placement_failures": 0},
+        counters={"placements": 0, "placement_failures": 0, "replacements": 0},
     )
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SchedulerCollector(sched))

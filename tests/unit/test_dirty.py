@@ -239,6 +239,9 @@ def delta_in_child(ns, digests, cell, use_tracker):
         assert (tracker is not None) == use_tracker
         cell(ns)
         d = cellchild.namespace_delta(ns, before, digests, set(), tracker=tracker)
+        # digests it computed travel with the delta (the commit does not hash again), and are right
+        assert set(d["digests"]) <= set(d["set"])
+        assert all(cellchild.digest(d["set"][k]) == v for k, v in d["digests"].items())
         return sorted(d["set"]), d["deleted"]
     return in_child(child)
 
