@@ -237,6 +237,8 @@ def cluster_gpus() -> dash.Dashboard:
         [
             ("sum(rate(gpuhub_scheduler_placements_total[$__rate_interval]))", "placements"),
             ("sum(rate(gpuhub_scheduler_placement_failures_total[$__rate_interval]))", "failures"),
+            # a replica on a lost node replaced by one on another node (Scheduler.heal)
+            ("sum(rate(gpuhub_scheduler_replacements_total[$__rate_interval]))", "replica replacements"),
         ],
         unit="ops", w=8,
     ))
