@@ -154,11 +154,14 @@ class DevCluster:
     def start(self, timeout_s: float = 30) -> "DevCluster":
         self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
                                           self.node_timeout_s).start()
+        # Consecutive port blocks from a random start: two clusters on one machine (parallel test
+        # runs) seldom probe the same ports, and this cluster's agents never share one.
+        first_block = secrets.randbelow(14)
         for i in range(self.nodes):
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)
             token_file.chmod(0o600)
-            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=i, extra=(
+            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=first_block + i, extra=(
                 f'scheduler_url = "{self.scheduler.url}"\nscheduler_token_file = "{token_file}"\n'
                 'heartbeat_interval_s = 0.5'))
             a.token = self.agent_token
