@@ -258,27 +258,50 @@ cmd_info() {
 }
 
 # --- down -------------------------------------------------------------------------------------------
+ours() {
+  local c
+  for c in $(podman ps -a --filter "label=gpuhub.cluster=$NAME" --format '{{.Names}}'); do
+    [[ "$c" == gpuhub-"$NAME"-* ]] && echo "$c"
+  done
+  return 0
+}
+
+# Run "$@" until it succeeds or `done_check` says the goal is reached anyway; podman can race with
+# a systemd container that is just shutting down ("container state improper", "device or resource
+# busy"), and a later try finds it stopped. Prints the last error when it gives up.
+converge() {
+  local what=$1 done_check=$2 try err
+  shift 2
+  err=$(mktemp)
+  for try in 1 2 3 4 5 6; do
+    if "$@" >/dev/null 2>"$err" || $done_check; then
+      rm -f "$err"
+      return 0
+    fi
+    log "$what failed (try $try of 6), retrying: $(tail -n 1 "$err")"
+    sleep $((try * 2))
+  done
+  log "error: $what still fails:"
+  cat "$err" >&2
+  rm -f "$err"
+  return 1
+}
+
+no_containers_left() { [ -z "$(ours)" ]; }
+no_network_left() { ! podman network exists "$(net)"; }
+
 cmd_down() {
   apt_collect
-  local c ours=()
-  for c in $(podman ps -a --filter "label=gpuhub.cluster=$NAME" --format '{{.Names}}'); do
-    [[ "$c" == gpuhub-"$NAME"-* ]] && ours+=("$c")
-  done
-  if [ ${#ours[@]} -gt 0 ]; then
-    # podman can race with a systemd container that is just shutting down ("container state
-    # improper: stopped"); a second try finds it stopped and removes it.
-    local try err
-    err=$(mktemp)
-    for try in 1 2 3; do
-      podman rm -f -t 1 "${ours[@]}" >/dev/null 2>"$err" && break
-      [ "$try" -lt 3 ] || { cat "$err" >&2; rm -f "$err"; exit 2; }
-      log "podman rm failed (try $try), retrying: $(tail -n 1 "$err")"
-      sleep 2
-    done
-    rm -f "$err"
-    log "removed ${ours[*]}"
+  local left
+  left=$(ours | tr '\n' ' ')
+  if [ -n "${left// /}" ]; then
+    # shellcheck disable=SC2086 # one word per container name
+    converge "removing $left" no_containers_left podman rm -f -i -t 5 $left || exit 2
+    log "removed $left"
   fi
-  if podman network exists "$(net)"; then podman network rm "$(net)" >/dev/null; fi
+  if podman network exists "$(net)"; then
+    converge "removing network $(net)" no_network_left podman network rm -f "$(net)" || exit 2
+  fi
   rm -rf "${CACHE:?}/$NAME"
   log "cluster $NAME is down"
 }
