@@ -387,6 +387,14 @@ class Agent:
     def grant(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
         if gpus > unit.gpus:
             raise LeaseError(f"{unit.name} was placed with {unit.gpus} GPU(s) per cell; it asked for {gpus}")
+        # One lease per unit. A replica runs one cell at a time and gives its lease back before it
+        # asks again, so a lease it still holds is stale (its release was lost) and is replaced,
+        # never added to: user code can read the unit's lease token, and must not collect GPUs
+        # beyond the kernel's placement with it.
+        for old in [le for le in self.book.leases.values() if le.holder == unit.name]:
+            self.book.release(old.lease_id)
+            self.counters["released"] += 1
+            log.warning("%s asked for a lease while holding %s; that one is released", unit.name, old.lease_id)
         lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid)
         self.counters["granted" if lease else "refused"] += 1
         if lease:

@@ -88,6 +88,21 @@ def test_lease_limited_to_placed_gpus(make_agent):
     assert a.call("DELETE", f"/api/v1/leases/{body['lease_id']}", token=token)[1]["released"] is False
 
 
+def test_a_unit_holds_one_lease_however_often_it_asks(make_agent):
+    """The lease token is in the kernel's environment, so user code can call the agent itself:
+    asking again replaces the unit's lease instead of taking the node's other GPUs."""
+    a = make_agent(gpus=2)
+    start_unit(a, gpus=1)
+    token = _lease_token(a, "gpuhub-kernel-t1")
+    first = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[1]
+    second = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[1]
+    assert first["lease_id"] != second["lease_id"]
+    node = a.call("GET", "/api/v1/node")[1]
+    assert node["committed"] == 1 and [le["lease_id"] for le in node["leases"]] == [second["lease_id"]]
+    assert a.call("DELETE", f"/api/v1/leases/{first['lease_id']}", token=token)[1]["released"] is False
+    assert a.call("DELETE", f"/api/v1/leases/{second['lease_id']}", token=token)[1]["released"] is True
+
+
 def _lease_token(agent, unit):
     """From the unit's environment file (the process backend writes one like systemd's)."""
     return ProcessRunner(str(agent.dir / "run"), 0).read_env(unit)["GPUHUB_LEASE_TOKEN"]
