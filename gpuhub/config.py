@@ -120,12 +120,16 @@ class SchedulerConfig:
     state_dir: str = "/var/lib/gpuhub/scheduler"
     max_subscription_ratio: float = 7.0
     node_timeout_s: float = 30.0
+    # A replica whose unit has been dead this long on a live node is replaced (see Scheduler.why_lost).
+    replica_dead_grace_s: float = 10.0
     # Development only: fixed user tokens instead of asking JupyterHub (token -> user name).
     static_user_tokens: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_subscription_ratio <= 0:
             raise ConfigError("max_subscription_ratio must be positive")
+        if self.node_timeout_s <= 0 or self.replica_dead_grace_s < 0:
+            raise ConfigError("node_timeout_s must be positive and replica_dead_grace_s not negative")
 
 
 def load_agent_config(path: str) -> AgentConfig:

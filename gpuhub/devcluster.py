@@ -104,7 +104,8 @@ def current_user() -> str:
 
 
 class SchedulerProcess:
-    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10) -> None:
+    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
+                 replica_dead_grace_s: float = 10) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
@@ -120,6 +121,7 @@ class SchedulerProcess:
             f'listen_address = "127.0.0.1"\nport = {self.port}\n'
             f'token_file = "{self.dir}/secrets/scheduler.token"\nagent_token_file = "{self.dir}/secrets/agent.token"\n'
             f'state_dir = "{self.dir}/state"\nnode_timeout_s = {node_timeout_s}\nhub_api_url = ""\n'
+            f'replica_dead_grace_s = {replica_dead_grace_s}\n'
             f'static_user_tokens = {{ {static} }}\n'
         )
 
@@ -141,11 +143,12 @@ class DevCluster:
     """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1."""
 
     def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
-                 node_timeout_s: float = 10) -> None:
+                 node_timeout_s: float = 10, replica_dead_grace_s: float = 10) -> None:
         self.tmp = Path(tmp)
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
         self.node_timeout_s = node_timeout_s  # no heartbeat this long: the scheduler counts the node lost
+        self.replica_dead_grace_s = replica_dead_grace_s  # a replica's unit dead this long is replaced
         self.agent_token = secrets.token_urlsafe(24)
         self.user_token = user_token or secrets.token_urlsafe(24)
         self.scheduler: SchedulerProcess | None = None
@@ -153,7 +156,7 @@ class DevCluster:
 
     def start(self, timeout_s: float = 30) -> "DevCluster":
         self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
-                                          self.node_timeout_s).start()
+                                          self.node_timeout_s, self.replica_dead_grace_s).start()
         # Consecutive port blocks from a random start: two clusters on one machine (parallel test
         # runs) seldom probe the same ports, and this cluster's agents never share one.
         first_block = secrets.randbelow(14)

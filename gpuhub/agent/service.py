@@ -153,8 +153,9 @@ class Agent:
         for name in list(self.units):
             st = await self.runner.status(name)
             if not st.active and st.state in ("gone", "inactive"):
-                # The agent never restarts a unit and the scheduler drops the replica: its
-                # journal can never be used again.
+                # Gone for good (systemd restarts crashed kernel units itself, and a reboot
+                # drops transient units): the scheduler replaces the replica, so its journal
+                # can never be used again.
                 log.info("unit %s is no longer running; forgetting it", name)
                 self._forget(name)
                 self._remove_journal(name)

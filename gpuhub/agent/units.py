@@ -159,6 +159,11 @@ class SystemdRunner:
             "TimeoutStopSec=15",
             f"Description=gpuhub {spec.kind} for {spec.user}",
         ]
+        if spec.kind == "kernel":
+            # A crashed replica (OOM kill, a segfault in user code) comes back in place and catches
+            # up from its journal and peers; after 3 crashes in a minute it stays failed and the
+            # scheduler replaces it elsewhere (Scheduler.why_lost). `systemctl stop` never restarts.
+            props += ["Restart=on-failure", "RestartSec=2", "StartLimitIntervalSec=60", "StartLimitBurst=3"]
         if spec.memory_max:
             props.append(f"MemoryMax={spec.memory_max}")
         if spec.cpu_quota:

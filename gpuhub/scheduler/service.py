@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 KERNEL_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
+# Unit states of a replica that is not running and will not come back by itself (systemd's
+# Restart= shows "activating" while it restarts one; "gone": the agent no longer has the unit).
+DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
 
 
 def replica_unit(kernel_id: str, replica_id: int) -> str:
@@ -44,6 +47,15 @@ class ReplicaRecord:
     connection: dict | None = None  # from the agent: ip, 5 Jupyter ports, raft_port, blob_port, … (no key)
     id: int = -1  # the replica's id in the kernel's Raft group; books before replication: from "-r<i>"
     state: str = "unknown"  # the unit's state when the scheduler last asked its agent
+    dead_since: float = 0.0  # when its unit was first seen dead (DEAD_UNIT_STATES); 0: not dead
+
+    def note_state(self, state: str, now: float) -> None:
+        """Record what the agent said; "unknown"/"unreachable" say nothing about the unit itself."""
+        self.state = state
+        if state in DEAD_UNIT_STATES:
+            self.dead_since = self.dead_since or now
+        elif state not in ("unknown", "unreachable"):
+            self.dead_since = 0.0
 
     def __post_init__(self) -> None:
         if self.id is None or self.id < 0:
@@ -216,13 +228,25 @@ class Scheduler:
                 raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
             await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
 
-    # --- healing: a replacement for a replica whose node was lost (DESIGN §3.5) --------------
+    # --- healing: a replacement for a lost replica (DESIGN §3.5) -------------------------------
     def node_live(self, name: str) -> bool:
         node = self.nodes.get(name)
         return node is not None and self.live(node)
 
+    def why_lost(self, rep: ReplicaRecord, now: float) -> str | None:
+        """Why ``rep`` needs a replacement, or None. Its node stopped heartbeating, or its unit has
+        been dead on a live node for ``replica_dead_grace_s`` (a node that rebooted within the node
+        timeout comes back without its transient units; a replica may crash and exhaust systemd's
+        restarts). The grace covers a kernel shutdown: replicas exit just before the kernel is
+        deleted."""
+        if not self.node_live(rep.node):
+            return f"node {rep.node} was lost"
+        if rep.dead_since and now - rep.dead_since >= self.config.replica_dead_grace_s:
+            return f"its unit on {rep.node} is {rep.state}"
+        return None
+
     async def heal(self) -> None:
-        """Replace every replica whose node stopped heartbeating with one on another node.
+        """Replace every lost replica (see :meth:`why_lost`) with a new one.
 
         The survivors keep the kernel working meanwhile (a Raft majority); the new replica joins
         their group and catches up from a snapshot plus the log. Without a majority nothing is
@@ -230,10 +254,11 @@ class Scheduler:
         """
         if time.time() - self.started < self.config.node_timeout_s:
             return  # after a restart every node gets one heartbeat period before it counts as lost
+        now = time.time()
         for record in list(self.kernels.values()):
             if record.peers_pending:
                 await self._resend_peers(record)
-            lost = [r for r in record.replicas if not self.node_live(r.node)]
+            lost = [(r, why) for r in record.replicas if (why := self.why_lost(r, now))]
             if lost:
                 await self._replace_lost(record, lost)
 
@@ -242,23 +267,24 @@ class Scheduler:
             self._heal_notes[record.kernel_id] = why
             log.warning("kernel %s: %s", record.kernel_id, why)
 
-    async def _replace_lost(self, record: KernelRecord, lost: list[ReplicaRecord]) -> None:
+    async def _replace_lost(self, record: KernelRecord, lost: list[tuple[ReplicaRecord, str]]) -> None:
         alive = len(record.replicas) - len(lost)
         if 2 * alive <= len(record.replicas):
-            self._note(record, f"only {alive} of {len(record.replicas)} replicas are on live nodes; "
+            self._note(record, f"only {alive} of {len(record.replicas)} replicas are running; "
                                "without a majority its replicas cannot be replaced")
             return
         if not record.key:
             self._note(record, "its key is not in the books (placed by an older scheduler); "
                                "lost replicas cannot be replaced")
             return
-        for rep in lost:
+        for rep, why in lost:
+            # Never two replicas on one node; the node of a replica whose unit died may take the new one.
+            others = [r.node for r in record.replicas if r is not rep and self.why_lost(r, time.time()) is None]
             try:
                 target = place_replicas(self.node_views(), record.gpus, len(record.replicas),
-                                        self.config.max_subscription_ratio,
-                                        exclude=[r.node for r in record.replicas], count=1)[0]
+                                        self.config.max_subscription_ratio, exclude=others, count=1)[0]
             except PlacementError as exc:
-                self._note(record, f"replica {rep.id} on lost node {rep.node} cannot be replaced yet: {exc}")
+                self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {exc}")
                 return
             new_id = max(r.id for r in record.replicas) + 1
             try:
@@ -274,8 +300,10 @@ class Scheduler:
             self.counters["replacements"] += 1
             self._heal_notes.pop(record.kernel_id, None)
             self.save()
-            log.info("kernel %s: replica %d on lost node %s replaced by replica %d on %s",
-                     record.kernel_id, rep.id, rep.node, new.id, new.node)
+            log.info("kernel %s: replica %d replaced (%s) by replica %d on %s",
+                     record.kernel_id, rep.id, why, new.id, new.node)
+            if self.node_live(rep.node):
+                await self._stop_replica(rep)  # its unit's files and journal on a node that is still there
             await self._resend_peers(record)
 
     async def _resend_peers(self, record: KernelRecord) -> None:
@@ -320,9 +348,9 @@ class Scheduler:
             return
         try:
             _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token, timeout=5)
-            rep.state = unit.get("state", "unknown")
+            rep.note_state(unit.get("state", "unknown"), time.time())
         except ApiClientError as exc:
-            rep.state = "gone" if exc.status == 404 else "unreachable"
+            rep.note_state("gone" if exc.status == 404 else "unreachable", time.time())
 
     async def reconcile(self) -> None:
         """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones."""
@@ -357,10 +385,18 @@ class Scheduler:
                                                       id=rid if isinstance(rid, int) else -1,
                                                       state=u.get("state", "unknown")))
                 else:
-                    known.state = u.get("state", known.state)
+                    known.note_state(u.get("state", known.state), time.time())
+        now = time.time()
         for kid, rec in list(self.kernels.items()):
-            rec.replicas = [r for r in rec.replicas if r.node not in seen or r.unit in seen[r.node]]
-            if not rec.replicas:
-                log.info("reconcile: kernel %s has no replicas left; forgetting it", kid)
+            kept = []
+            for r in rec.replicas:
+                if r.node in seen and r.unit not in seen[r.node]:
+                    if not rec.key:
+                        continue  # cannot be replaced without the key: forget it
+                    r.note_state("gone", now)  # heal() replaces it
+                kept.append(r)
+            rec.replicas = kept
+            if all(r.state in DEAD_UNIT_STATES for r in rec.replicas):
+                log.info("reconcile: kernel %s has no running replica left; forgetting it", kid)
                 del self.kernels[kid]
         self.save()

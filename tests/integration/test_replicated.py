@@ -267,3 +267,37 @@ def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_p
         if kernel is not None:
             kernel.close()
         cluster.stop()
+
+
+def test_replica_dead_on_a_live_node_is_replaced(tmp_path):
+    """A replica process dies while its node stays up (under systemd: a crash loop past its
+    restarts, or a reboot within the node timeout drops the transient unit). The scheduler sees the
+    unit dead when the provisioner polls, waits out the grace, then places a replacement."""
+    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, replica_dead_grace_s=1).start()
+    kernel = None
+    try:
+        kernel = ReplicatedKernel(cluster, gpus=1)
+        ok(kernel, "x = 1")
+        first = executor_node(kernel)
+        dead = next(r for r in kernel.record["replicas"] if r["node"] != first)
+        os.kill(kernel.pid(dead["id"]), signal.SIGKILL)  # the process backend restarts nothing
+        ok(kernel, "x += 1", timeout=30)  # two replicas are a majority
+
+        def replaced():
+            record = kernel.refresh()  # as the provisioner's poll does: the scheduler asks the agents
+            ids = {r["id"] for r in record["replicas"]}
+            return record if dead["id"] not in ids and len(ids) == 3 else None
+        record = eventually(replaced, 60, "a replacement for the dead replica")
+        rids = tuple(r["id"] for r in record["replicas"])
+        view = eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids), 60,
+                          "the replacement holding the group's namespace")
+        assert view["x"].endswith("2"), view
+        ok(kernel, "x *= 10")
+        assert assert_equal_namespaces(kernel, ["x"], rids)["x"].endswith("20")
+        # The dead unit's leftovers (files, journal, placed GPUs) are gone from its node.
+        status, _ = cluster.agent(dead["node"]).call("GET", f"/api/v1/units/{dead['unit']}")
+        assert status == 404
+    finally:
+        if kernel is not None:
+            kernel.close()
+        cluster.stop()

@@ -54,6 +54,41 @@ async def test_no_spare_node_is_reported_and_the_kernel_keeps_its_survivors(tmp_
     assert any("cannot be replaced yet" in r.message for r in caplog.records)
 
 
+def test_a_dead_unit_starts_its_clock_and_unreachable_says_nothing():
+    rep = ReplicaRecord("a", "gpuhub-kernel-k1-r0", {}, id=0)
+    rep.note_state("failed", 100.0)
+    rep.note_state("unreachable", 105.0)  # the agent did not answer: the unit may still be dead
+    rep.note_state("gone", 107.0)
+    assert rep.dead_since == 100.0
+    rep.note_state("activating", 108.0)  # systemd restarted it
+    assert rep.dead_since == 0.0
+
+
+async def test_a_dead_unit_on_a_live_node_is_lost_only_after_the_grace(tmp_path):
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+    s.kernels["k1"] = record = kernel(["a", "b", "c"])
+    dead = record.replicas[2]
+    now = time.time()
+    dead.note_state("failed", now - 1)  # e.g. a kernel shutting down: its replicas exit first
+    assert s.why_lost(dead, now) is None
+    await s.heal()
+    assert [r.node for r in record.replicas] == ["a", "b", "c"] and s.counters["replacements"] == 0
+    dead.dead_since = now - s.config.replica_dead_grace_s - 1
+    assert s.why_lost(dead, now) == "its unit on c is failed"
+    assert s.why_lost(record.replicas[0], now) is None
+
+
+async def test_dead_units_count_against_the_majority(tmp_path, caplog):
+    s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
+    s.kernels["k1"] = record = kernel(["a", "b", "c"])
+    for rep in record.replicas[1:]:
+        rep.note_state("gone", time.time() - 60)
+    with caplog.at_level(logging.WARNING):
+        await s.heal()
+    assert [r.node for r in record.replicas] == ["a", "b", "c"] and s.counters["replacements"] == 0
+    assert any("only 1 of 3 replicas are running" in r.message for r in caplog.records)
+
+
 def test_the_key_is_in_the_books_but_never_in_a_view(tmp_path):
     s = scheduler_with(tmp_path, live=["a"], lost=[])
     s.kernels["k1"] = kernel(["a"], key="very-secret")
