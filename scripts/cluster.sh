@@ -54,6 +54,21 @@ hosts() {
 ctr() { echo "gpuhub-$NAME-$1"; }
 net() { echo "gpuhub-$NAME"; }
 
+# Fixed addresses, as servers have: a container that is powered off and started again (the
+# end-to-end tests do) would otherwise come back with a new one, unknown to the inventory and to
+# everything deployed from it. Host N of hosts() gets .(10+N) of the network's /24.
+static_ip() {
+  local want=$1 subnet h i=0
+  subnet=$(podman network inspect "$(net)" --format '{{range .Subnets}}{{.Subnet}} {{end}}' |
+    tr ' ' '\n' | grep -m1 -E '^[0-9]+\.[0-9]+\.[0-9]+\.0/24$') ||
+    die "network $(net) has no IPv4 /24 subnet"
+  for h in $(hosts); do
+    [ "$h" = "$want" ] && { echo "${subnet%.0/24}.$((10 + i))"; return; }
+    i=$((i + 1))
+  done
+  die "no host $want"
+}
+
 ip_of() {
   podman inspect "$(ctr "$1")" --format "{{(index .NetworkSettings.Networks \"$(net)\").IPAddress}}"
 }
@@ -139,7 +154,7 @@ cmd_up() {
     apt_seed "$h"
     # SYS_ADMIN lets systemd inside set up the mount namespaces of hardened units
     # (ProtectSystem=, PrivateTmp=) as it does on bare metal.
-    podman run -d --name "$c" --hostname "$h" --network "$(net)" --systemd=always \
+    podman run -d --name "$c" --hostname "$h" --network "$(net)" --ip "$(static_ip "$h")" --systemd=always \
       --cap-add SYS_ADMIN \
       --label "gpuhub.cluster=$NAME" \
       -v "$dir/apt/$h:/var/cache/apt/archives:Z" \
@@ -203,6 +218,9 @@ write_inventory() {
     echo "  - {name: gpu1, display: 1 GPU, gpus: 1}"
     echo "  - {name: gpu2, display: 2 GPUs, gpus: 2}"
     echo "gpuhub_hub_tls_san: [\"IP:$(ip_of "$HUB")\", \"DNS:hub\", \"IP:127.0.0.1\"]"
+    echo "# Notice a lost node and a dead replica quickly (the end-to-end tests wait for both)."
+    echo "gpuhub_scheduler_node_timeout_s: 12"
+    echo "gpuhub_scheduler_replica_dead_grace_s: 5"
     echo "# Containers are small: keep the limits modest."
     echo "gpuhub_agent_kernel_memory_max: 2G"
     echo "gpuhub_agent_server_memory_max: 2G"
