@@ -46,6 +46,12 @@ def gpuhub_kernel(agent: AgentProcess, name: str, gpus: int) -> BlockingKernelCl
         "kernel": {"key": key, "kernel_id": name}})
     if status != 201:
         raise RuntimeError(unit)
+    conn = unit["connection"]
+    status, body = agent.call("PUT", f"/api/v1/units/{name}/peers", {"replicas": [{  # a group of one
+        "id": 0, "node": agent.name, "raft": f"{conn['ip']}:{conn['raft_port']}",
+        "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
+    if status != 200:
+        raise RuntimeError(body)
     kc = BlockingKernelClient()
     kc.load_connection_info({**unit["connection"], "key": key})
     kc.start_channels()
