@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import types
 
 import cloudpickle
@@ -164,6 +165,7 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         gpu_uuids: list[str], out_fd: int, in_fd: int, digests: dict[str, str],
         device_tags: dict[str, int], hidden: set[str]) -> None:
     """Run one cell in this (child) process and report to the parent. Never returns normally."""
+    started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
@@ -208,6 +210,7 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
                                 forked=True)
 
     # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
+    ready = time.monotonic()
     result = shell.run_cell(code, store_history=False, silent=silent)
     err = result.error_before_exec or result.error_in_exec
     done = {"status": "ok" if result.success else "error"}
@@ -218,7 +221,9 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         done["user_expressions"] = shell.user_expressions(user_expressions or {})
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
-    chan.send("delta", namespace_delta(ns, before, digests, hidden, tracker=tracker))
+    ran = time.monotonic()
+    delta = namespace_delta(ns, before, digests, hidden, tracker=tracker)
+    chan.send("delta", delta, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
 
 def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,

@@ -31,6 +31,13 @@ log = logging.getLogger("gpuhub.kernel")
 ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt"}
 
 
+def _child_phases(forking: float, marks: dict[str, float], received: float) -> dict[str, float]:
+    """Where a GPU cell's child spent its time (CLOCK_MONOTONIC is one clock for both processes)."""
+    return {"fork": marks["started"] - forking, "setup": marks["ready"] - marks["started"],
+            "cell": marks["ran"] - marks["ready"], "delta": marks["sent"] - marks["ran"],
+            "pipe": received - marks["sent"]}
+
+
 def _describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -261,16 +268,23 @@ class GpuhubKernel(IPythonKernel):
         if self.grants is None:
             return self._error_reply("GpuhubError", "this GPU kernel has no GPU agent to ask (GPUHUB_AGENT_URL unset)")
         self._interrupted.clear()
+        asked = time.monotonic()
         self.reaper.wait()  # the previous cell's grant must be back before this one asks
+        reaped = time.monotonic()
         try:
             grant = self.grants.acquire(self.gpus, self.grant_timeout_s, on_wait=sys.stderr.write,
                                         cancelled=self._interrupted.is_set)
         except GrantError as exc:
             return self._error_reply(type(exc).__name__, str(exc))
+        granted = time.monotonic()
+        self._phases = {"reap": reaped - asked, "grant": granted - reaped}
         cell = self.get_parent("shell")["header"]["msg_id"]
         reply, delta = self._run_child(shell, code, silent, store_history, user_expressions, grant, cell)
+        self._phases["child"] = time.monotonic() - granted
         if delta is not None:
             self._apply_delta(delta)
+        self._phases["apply"] = time.monotonic() - granted - self._phases["child"]
+        log.debug("cell %s: %s", cell, ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
         return reply
 
     def _run_child(self, shell, code, silent, store_history, user_expressions, grant,
@@ -284,6 +298,7 @@ class GpuhubKernel(IPythonKernel):
             hidden = set(shell.user_ns_hidden)
             sys.stdout.flush()
             sys.stderr.flush()
+            forking = time.monotonic()
             pid = os.fork()
         except BaseException:
             self.reaper.end_later(cell, None, grant)
@@ -314,6 +329,7 @@ class GpuhubKernel(IPythonKernel):
                         done = msg[1]
                     elif kind == "delta":
                         delta = msg[1]
+                        self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, replies)
                 if reader.eof and len(reader.buf) == 0:
