@@ -64,6 +64,8 @@ class GpuhubKernel(IPythonKernel):
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
+        if self.gpus > 0:
+            cellchild.warm_up(self.shell)  # every GPU cell's child starts from these caches
         self.replica = Replica.from_env(self.session.key)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
