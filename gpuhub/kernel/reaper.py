@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -21,29 +22,38 @@ log = logging.getLogger("gpuhub.kernel")
 
 
 class CellReaper:
+    """One worker thread, started on first use (starting a thread per cell costs the reply a
+    scheduling round trip on a busy machine); at most one cell's end in flight."""
+
     def __init__(self, release: Callable[[Grant], None]) -> None:
         self._release = release
-        self._pending: threading.Thread | None = None
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
 
     def end_later(self, cell: str, pid: int | None, grant: Grant | None) -> None:
-        """Reap ``pid`` (None: already reaped), then release ``grant``, on a background thread."""
-        self.wait()  # at most one cell's end in flight, so their order is the cells' order
-        thread = threading.Thread(target=self._end, args=(cell, pid, grant, time.monotonic()),
-                                  name="gpuhub-cell-reaper", daemon=True)
-        self._pending = thread
-        thread.start()
+        """Reap ``pid`` (None: already reaped), then release ``grant``, on the worker thread."""
+        self.wait()  # one at a time, so that cells end in their order
+        self._idle.clear()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="gpuhub-cell-reaper", daemon=True)
+            self._worker.start()
+        self._work.put((cell, pid, grant, time.monotonic()))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the last cell's process is gone and its grant released; False on timeout."""
-        thread = self._pending
-        if thread is None:
-            return True
-        thread.join(timeout)
-        if thread.is_alive():
-            return False
-        if self._pending is thread:
-            self._pending = None
-        return True
+        return self._idle.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._work.get()
+            try:
+                self._end(*job)
+            except Exception:  # the thread must outlive any one cell; the agent expires a lost lease
+                log.exception("ending GPU cell %s failed", job[0])
+            finally:
+                self._idle.set()
 
     def _end(self, cell: str, pid: int | None, grant: Grant | None, handed_over: float) -> None:
         if pid is not None:
@@ -53,9 +63,6 @@ class CellReaper:
                 pass
         exited = time.monotonic()
         if grant is not None:
-            try:
-                self._release(grant)
-            except Exception:  # the agent expires the lease once the replica dies
-                log.exception("releasing lease %s of cell %s failed", grant.lease_id, cell)
+            self._release(grant)
         log.debug("cell %s: process exited %.1f ms after its delta, lease released in %.1f ms", cell,
                   (exited - handed_over) * 1000, (time.monotonic() - exited) * 1000)
