@@ -52,11 +52,19 @@ def gpuhub_kernel(agent: AgentProcess, name: str, gpus: int) -> BlockingKernelCl
         "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
     if status != 200:
         raise RuntimeError(body)
-    kc = BlockingKernelClient()
-    kc.load_connection_info({**unit["connection"], "key": key})
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    return kc
+    deadline = time.monotonic() + 60
+    while True:  # the kernel's heartbeat may not be up yet ("died before replying"): connect again
+        kc = BlockingKernelClient()
+        kc.load_connection_info({**unit["connection"], "key": key})
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+            return kc
+        except RuntimeError:
+            kc.stop_channels()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def main() -> str:
