@@ -253,3 +253,17 @@ def test_asyncio_in_a_gpu_cell(gpu_kernel):
             "print(asyncio.run(asyncio.sleep(0, 'run')))")
     reply, out = run(kc, code)
     assert reply["status"] == "ok" and out["stdout"].split() == ["False", "ran", "run"], out
+
+
+def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    assert run(kc, "x = 1")[0]["status"] == "ok"  # its lease connection to the agent is open now
+    assert committed_soon(agent) == 0
+    agent.stop()
+    agent.start()  # same port: the kept-alive connection is dead, the next grant reconnects
+    started = time.monotonic()
+    reply, out = run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], x)")
+    assert reply["status"] == "ok", out
+    assert out["stdout"].split()[1] == "1" and "waiting" not in out["stderr"]
+    assert time.monotonic() - started < 5  # no retry with backoff: granted at the first ask
+    assert committed_soon(agent) == 0
