@@ -295,12 +295,14 @@ class GpuhubKernel(IPythonKernel):
         (not applied). The grant ends once the child has exited: at once if it died, otherwise on the
         reaper's thread, so that neither its exit nor the release delays the reply."""
         try:
+            preparing = time.monotonic()
             out_r, out_w = os.pipe()
             in_r, in_w = os.pipe()
             hidden = set(shell.user_ns_hidden)
             sys.stdout.flush()
             sys.stderr.flush()
             forking = time.monotonic()
+            self._phases["prepare"] = forking - preparing
             pid = os.fork()
         except BaseException:
             self.reaper.end_later(cell, None, grant)
@@ -344,8 +346,10 @@ class GpuhubKernel(IPythonKernel):
                 _, status = os.waitpid(pid, 0)
                 pid = None
             self.reaper.end_later(cell, pid, grant)
+        storing = time.monotonic()
         if store_history:
             shell.history_manager.store_inputs(shell.execution_count, code)
+        self._phases["history"] = time.monotonic() - storing
         shell.execution_count += 1
         if done is None:
             # The child died mid-cell: the namespace stays as it was before this cell.
