@@ -46,11 +46,25 @@ def gpuhub_kernel(agent: AgentProcess, name: str, gpus: int) -> BlockingKernelCl
         "kernel": {"key": key, "kernel_id": name}})
     if status != 201:
         raise RuntimeError(unit)
-    kc = BlockingKernelClient()
-    kc.load_connection_info({**unit["connection"], "key": key})
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    return kc
+    conn = unit["connection"]
+    status, body = agent.call("PUT", f"/api/v1/units/{name}/peers", {"replicas": [{  # a group of one
+        "id": 0, "node": agent.name, "raft": f"{conn['ip']}:{conn['raft_port']}",
+        "blob": f"{conn['ip']}:{conn['blob_port']}"}]})
+    if status != 200:
+        raise RuntimeError(body)
+    deadline = time.monotonic() + 60
+    while True:  # the kernel's heartbeat may not be up yet ("died before replying"): connect again
+        kc = BlockingKernelClient()
+        kc.load_connection_info({**unit["connection"], "key": key})
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+            return kc
+        except RuntimeError:
+            kc.stop_channels()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def main() -> str:

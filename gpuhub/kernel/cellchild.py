@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import types
 
 import cloudpickle
@@ -58,7 +59,7 @@ class PipeStream(io.TextIOBase):
 
 
 class PipeDisplayPublisher(DisplayPublisher):
-    def __init__(self, chan: FrameWriter, **kw) -> None:
+    def __init__(self, chan: FrameWriter | None, **kw) -> None:
         super().__init__(**kw)
         self.chan = chan
 
@@ -70,7 +71,7 @@ class PipeDisplayPublisher(DisplayPublisher):
 
 
 class PipeDisplayHook(DisplayHook):
-    def __init__(self, chan: FrameWriter, **kw) -> None:
+    def __init__(self, chan: FrameWriter | None, **kw) -> None:
         super().__init__(**kw)
         self.chan = chan
 
@@ -153,30 +154,63 @@ def _collapse_worker(work: "queue.SimpleQueue") -> None:
         del value  # do not keep the last value alive while waiting
 
 
+_prctl = None  # libc's prctl, looked up once in the replica rather than in every child
+_display: tuple[PipeDisplayPublisher, PipeDisplayHook] | None = None  # built once, see warm_up
+
+
 def _die_with_parent() -> None:
+    global _prctl
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if _prctl is None:
+            _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def warm_up(shell) -> None:
+    """Fill, once in the replica, what IPython and this module otherwise build lazily in each
+    forked child and lose with it: a GPU kernel's replica never runs a cell itself, so every
+    child compiled tokenize's and IPython's input regexes again (≈ 1–3 ms of a no-op cell) and
+    imported IPython's logger, and built its display objects. Runs no user code."""
+    global _prctl, _display
+    code = "x = 1\n"
+    transformed = shell.transform_cell(code)  # re.compile caches: tokenize, input transformers
+    shell.should_run_async(code, transformed_cell=transformed, preprocessing_exc_tuple=None)
+    shell.logger  # noqa: B018 - a lazy property that imports IPython.core.logger
+    try:
+        _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        pass
+    _display = _display_objects(shell)
+
+
+def _display_objects(shell) -> tuple[PipeDisplayPublisher, PipeDisplayHook]:
+    """Display publisher and hook writing to a pipe not chosen yet (each child sets ``chan``)."""
+    return (PipeDisplayPublisher(None, shell=shell),
+            PipeDisplayHook(None, shell=shell, cache_size=shell.cache_size))
 
 
 def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions: dict,
         gpu_uuids: list[str], out_fd: int, in_fd: int, digests: dict[str, str],
         device_tags: dict[str, int], hidden: set[str]) -> None:
     """Run one cell in this (child) process and report to the parent. Never returns normally."""
+    started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
     chan, replies = FrameWriter(out_fd), FrameReader(in_fd)
 
-    # A fresh event loop: the parent's loop was mid-iteration when we forked.
+    # Not the parent's event loop (it was mid-iteration when we forked): a fresh policy makes a new
+    # loop on first use only; most cells never ask for one (IPython's top-level await has its own).
     asyncio.events._set_running_loop(None)
-    asyncio.set_event_loop(asyncio.new_event_loop())
+    asyncio.set_event_loop_policy(None)
 
     sys.stdout = PipeStream("stdout", chan)
     sys.stderr = PipeStream("stderr", chan)
-    shell.display_pub = PipeDisplayPublisher(chan, shell=shell)
-    hook = PipeDisplayHook(chan, shell=shell, cache_size=shell.cache_size)
+    publisher, hook = _display or _display_objects(shell)  # traitlets objects: slow to build per cell
+    publisher.chan = hook.chan = chan
+    shell.display_pub = publisher
     shell.displayhook = hook
     shell.display_trap.hook = hook
 
@@ -208,6 +242,7 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
                                 forked=True)
 
     # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
+    ready = time.monotonic()
     result = shell.run_cell(code, store_history=False, silent=silent)
     err = result.error_before_exec or result.error_in_exec
     done = {"status": "ok" if result.success else "error"}
@@ -218,7 +253,9 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         done["user_expressions"] = shell.user_expressions(user_expressions or {})
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
-    chan.send("delta", namespace_delta(ns, before, digests, hidden, tracker=tracker))
+    ran = time.monotonic()
+    delta = namespace_delta(ns, before, digests, hidden, tracker=tracker)
+    chan.send("delta", delta, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
 
 def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,

@@ -23,11 +23,19 @@ from ipykernel.ipkernel import IPythonKernel
 from gpuhub.kernel import cellchild
 from gpuhub.kernel.grants import GrantClient, GrantError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
 from gpuhub.replication.log import CellOutcome
 
 log = logging.getLogger("gpuhub.kernel")
 ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt"}
+
+
+def _child_phases(forking: float, marks: dict[str, float], received: float) -> dict[str, float]:
+    """Where a GPU cell's child spent its time (CLOCK_MONOTONIC is one clock for both processes)."""
+    return {"fork": marks["started"] - forking, "setup": marks["ready"] - marks["started"],
+            "cell": marks["ran"] - marks["ready"], "delta": marks["sent"] - marks["ran"],
+            "pipe": received - marks["sent"]}
 
 
 def _describe_status(status: int) -> str:
@@ -46,6 +54,8 @@ class GpuhubKernel(IPythonKernel):
         self.gpus = int(os.environ.get("GPUHUB_KERNEL_GPUS", "0") or 0)
         self.grant_timeout_s = float(os.environ.get("GPUHUB_GRANT_TIMEOUT_S", "300"))
         self.grants = GrantClient.from_env()
+        # A GPU cell's process exits and its grant ends after the reply (gpuhub/kernel/reaper.py).
+        self.reaper = CellReaper(self.grants.release if self.grants else lambda grant: None)
         self._child_pid: int | None = None
         self._interrupted = threading.Event()
         self._digests: dict[str, str] = {}
@@ -54,6 +64,8 @@ class GpuhubKernel(IPythonKernel):
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
+        if self.gpus > 0:
+            cellchild.warm_up(self.shell)  # every GPU cell's child starts from these caches
         self.replica = Replica.from_env(self.session.key)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
@@ -122,10 +134,12 @@ class GpuhubKernel(IPythonKernel):
         started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
         while True:
             asked = time.monotonic()
+            self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
+            reaped = time.monotonic()
             grant = self._try_grant()
             granted = time.monotonic()
             decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
-            self._phases = {"grant": granted - asked, "elect": time.monotonic() - granted}
+            self._phases = {"reap": reaped - asked, "grant": granted - reaped, "elect": time.monotonic() - granted}
             if grant is not None and decision.executor != rep.id:
                 self.grants.release(grant)  # losers give their tentative grant back at once
             if decision.outcome is not None:  # this replica is late: the cell already ended
@@ -189,12 +203,9 @@ class GpuhubKernel(IPythonKernel):
             self._warn_unreplicable(delta["failed"])
         else:
             self._allow_stdin = allow_stdin
-            try:
-                reply, delta = self._run_child(shell, code, silent, store_history, user_expressions or {},
-                                               grant.uuids)
-                self._phases["child"] = time.monotonic() - began
-            finally:
-                self.grants.release(grant)
+            reply, delta = self._run_child(shell, code, silent, store_history, user_expressions or {},
+                                           grant, cell)
+            self._phases["child"] = time.monotonic() - began  # until its delta: the exit is not waited for
             delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}, "digests": {}}
         ran = time.monotonic()
         self._phases["run"] = ran - began
@@ -259,33 +270,49 @@ class GpuhubKernel(IPythonKernel):
         if self.grants is None:
             return self._error_reply("GpuhubError", "this GPU kernel has no GPU agent to ask (GPUHUB_AGENT_URL unset)")
         self._interrupted.clear()
+        asked = time.monotonic()
+        self.reaper.wait()  # the previous cell's grant must be back before this one asks
+        reaped = time.monotonic()
         try:
             grant = self.grants.acquire(self.gpus, self.grant_timeout_s, on_wait=sys.stderr.write,
                                         cancelled=self._interrupted.is_set)
         except GrantError as exc:
             return self._error_reply(type(exc).__name__, str(exc))
-        try:
-            reply, delta = self._run_child(shell, code, silent, store_history, user_expressions, grant.uuids)
-        finally:
-            self.grants.release(grant)
+        granted = time.monotonic()
+        self._phases = {"reap": reaped - asked, "grant": granted - reaped}
+        cell = self.get_parent("shell")["header"]["msg_id"]
+        reply, delta = self._run_child(shell, code, silent, store_history, user_expressions, grant, cell)
+        self._phases["child"] = time.monotonic() - granted
         if delta is not None:
             self._apply_delta(delta)
+        self._phases["apply"] = time.monotonic() - granted - self._phases["child"]
+        log.debug("cell %s: %s", cell, ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
         return reply
 
-    def _run_child(self, shell, code, silent, store_history, user_expressions, uuids) -> tuple[dict, dict | None]:
-        """Run one cell in a forked child; returns its reply and the namespace delta (not applied)."""
-        out_r, out_w = os.pipe()
-        in_r, in_w = os.pipe()
-        hidden = set(shell.user_ns_hidden)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
+    def _run_child(self, shell, code, silent, store_history, user_expressions, grant,
+                   cell: str) -> tuple[dict, dict | None]:
+        """Run one cell in a forked child holding ``grant``; returns its reply and the namespace delta
+        (not applied). The grant ends once the child has exited: at once if it died, otherwise on the
+        reaper's thread, so that neither its exit nor the release delays the reply."""
+        try:
+            preparing = time.monotonic()
+            out_r, out_w = os.pipe()
+            in_r, in_w = os.pipe()
+            hidden = set(shell.user_ns_hidden)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            forking = time.monotonic()
+            self._phases["prepare"] = forking - preparing
+            pid = os.fork()
+        except BaseException:
+            self.reaper.end_later(cell, None, grant)
+            raise
         if pid == 0:  # the child: never returns
             try:
                 os.close(out_r)
                 os.close(in_w)
                 cellchild.run(shell, code, silent=silent, store_history=store_history,
-                              user_expressions=user_expressions, gpu_uuids=uuids, out_fd=out_w, in_fd=in_r,
+                              user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
                               digests=self._digests, device_tags=self._device_tags, hidden=hidden)
             except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
                 import traceback
@@ -297,26 +324,32 @@ class GpuhubKernel(IPythonKernel):
         os.close(in_r)
         self._child_pid = pid
         reader, replies = FrameReader(out_r), FrameWriter(in_w)
-        done = delta = None
+        done = delta = status = None
         try:
-            while not reader.eof or reader.buf:
+            while delta is None:  # the delta is the child's last frame; nothing after it is awaited
                 for msg in reader.poll(0.5):
                     kind = msg[0]
                     if kind == "done":
                         done = msg[1]
                     elif kind == "delta":
                         delta = msg[1]
+                        self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, replies)
                 if reader.eof and len(reader.buf) == 0:
                     break
         finally:
-            _, status = os.waitpid(pid, 0)
             self._child_pid = None
-            os.close(out_r)
+            os.close(out_r)  # a child still writing gets EPIPE and leaves
             os.close(in_w)
+            if delta is None:  # it died (or this process is leaving): its status says why
+                _, status = os.waitpid(pid, 0)
+                pid = None
+            self.reaper.end_later(cell, pid, grant)
+        storing = time.monotonic()
         if store_history:
             shell.history_manager.store_inputs(shell.execution_count, code)
+        self._phases["history"] = time.monotonic() - storing
         shell.execution_count += 1
         if done is None:
             # The child died mid-cell: the namespace stays as it was before this cell.
@@ -404,6 +437,8 @@ class GpuhubKernel(IPythonKernel):
 
     def do_shutdown(self, restart):
         self._signal_cell(signal.SIGKILL)
+        if not self.reaper.wait(timeout=10):  # give the last cell's grant back before leaving
+            log.warning("the last GPU cell's process had not exited at shutdown; the agent expires its lease")
         if self.replica is not None:
             self.replica.close()
         return super().do_shutdown(restart)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import queue
 import secrets
 import threading
 import time
@@ -70,6 +69,33 @@ def run(kc, code, timeout=30, stdin=None):
     return reply["content"], out
 
 
+def committed(agent) -> int:
+    return agent.call("GET", "/api/v1/node")[1]["committed"]
+
+
+def committed_soon(agent, within: float = 10.0) -> int:
+    """The node's committed GPUs once the last cell's grant has ended: that happens just after its
+    reply, when the cell's process has exited (gpuhub/kernel/reaper.py)."""
+    deadline = time.monotonic() + within
+    while (n := committed(agent)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie: a zombie's memory (GPU memory included) is already freed."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# A cell's code that makes its own process linger this many seconds after sending its results.
+SLOW_EXIT = ("import os, time\n_exit = os._exit\nos._exit = lambda code: (time.sleep({s}), _exit(code))\n"
+             "print(os.getpid())")
+
+
 @pytest.fixture
 def gpu_kernel(make_agent):
     agent = make_agent("gpunode", gpus=2)
@@ -85,8 +111,8 @@ def test_cell_sees_exactly_its_granted_gpu_and_lease_is_released(gpu_kernel):
     reply, out = run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
     assert reply["status"] == "ok", out
     assert out["stdout"].strip() in uuids
-    _, node = agent.call("GET", "/api/v1/node")
-    assert node["committed"] == 0 and node["pending"] == 1
+    assert committed_soon(agent) == 0
+    assert agent.call("GET", "/api/v1/node")[1]["pending"] == 1
 
 
 def test_gpu_committed_while_cell_runs(gpu_kernel):
@@ -99,7 +125,30 @@ def test_gpu_committed_while_cell_runs(gpu_kernel):
     assert seen == 1
     reply = kc.get_shell_msg(timeout=20)
     assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
-    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+    assert committed_soon(agent) == 0
+
+
+def test_lease_is_held_until_the_cells_process_has_exited(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    started = time.monotonic()
+    reply, out = run(kc, SLOW_EXIT.format(s=2))
+    replied = time.monotonic() - started
+    assert reply["status"] == "ok", out
+    pid = int(out["stdout"].strip())
+    assert replied < 2, "the reply waited for the cell's process to exit"
+    samples = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        alive = process_alive(pid)  # first, so that a release seen after it cannot precede the exit
+        samples.append((alive, committed(agent)))
+        if not alive and samples[-1][1] == 0:
+            break
+        time.sleep(0.05)
+    assert samples[0] == (True, 1)
+    assert all(n == 1 for alive, n in samples if alive), "the lease ended while the cell's process lived"
+    assert samples[-1] == (False, 0)
+    reply, out = run(kc, "print('next')")  # the next cell gets a GPU again
+    assert reply["status"] == "ok" and out["stdout"].strip() == "next"
 
 
 def test_namespace_changes_come_back(gpu_kernel):
@@ -127,7 +176,7 @@ def test_rich_output_errors_and_unpicklable_warning(gpu_kernel):
 
 
 def test_interrupt_reaches_the_cell_and_frees_the_gpu(gpu_kernel):
-    agent, kc, unit = gpu_kernel
+    agent, kc, _ = gpu_kernel
     run(kc, "before = 1")
     kc.execute("import time\nbefore = 2\ntime.sleep(60)")
     time.sleep(1.5)
@@ -136,7 +185,7 @@ def test_interrupt_reaches_the_cell_and_frees_the_gpu(gpu_kernel):
     kc.control_channel.send(kc.session.msg("interrupt_request", {}))
     reply = kc.get_shell_msg(timeout=15)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+    assert committed_soon(agent) == 0
     _, out = run(kc, "print(before)")
     assert out["stdout"].strip() == "2"  # what ran before the interrupt is kept, as in plain IPython
 
@@ -186,3 +235,35 @@ def test_killed_cell_process_reports_error_and_keeps_namespace(gpu_kernel):
     assert reply["status"] == "error" and reply["ename"] == "CellProcessDied"
     _, out = run(kc, "print(x)")
     assert out["stdout"].strip() == "1"
+
+
+def test_shutdown_after_a_cell_gives_its_gpu_back(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    reply, out = run(kc, SLOW_EXIT.format(s=1))
+    assert reply["status"] == "ok", out
+    kc.shutdown()
+    assert committed_soon(agent, within=15) == 0
+
+
+def test_asyncio_in_a_gpu_cell(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    reply, out = run(kc, "import asyncio\nawait asyncio.sleep(0.01)\nprint('awaited')")
+    assert reply["status"] == "ok" and out["stdout"].strip() == "awaited", out
+    code = ("loop = asyncio.get_event_loop()\nprint(loop.is_running(), loop.run_until_complete(asyncio.sleep(0, 'ran')))\n"
+            "print(asyncio.run(asyncio.sleep(0, 'run')))")
+    reply, out = run(kc, code)
+    assert reply["status"] == "ok" and out["stdout"].split() == ["False", "ran", "run"], out
+
+
+def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
+    agent, kc, _ = gpu_kernel
+    assert run(kc, "x = 1")[0]["status"] == "ok"  # its lease connection to the agent is open now
+    assert committed_soon(agent) == 0
+    agent.stop()
+    agent.start()  # same port: the kept-alive connection is dead, the next grant reconnects
+    started = time.monotonic()
+    reply, out = run(kc, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], x)")
+    assert reply["status"] == "ok", out
+    assert out["stdout"].split()[1] == "1" and "waiting" not in out["stderr"]
+    assert time.monotonic() - started < 5  # no retry with backoff: granted at the first ask
+    assert committed_soon(agent) == 0

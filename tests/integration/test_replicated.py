@@ -16,7 +16,7 @@ from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.devcluster import DevCluster, DevKernel, current_user
-from tests.integration.test_gpu_cells import run
+from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run
 
 
 def string_form(inspected: str) -> str:
@@ -123,6 +123,7 @@ def take_the_gpu(agent, kernel_id: str) -> tuple[str, str]:
         "kernel": {"key": "k", "kernel_id": kernel_id}})
     assert status == 201, unit
     token = ProcessRunner(str(agent.dir / "run"), 0).read_env(name)["GPUHUB_LEASE_TOKEN"]
+    committed_soon(agent)  # the kernel's last cell gives its GPU back just after its reply
     status, lease = agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
     assert status == 200, lease
     return token, lease["lease_id"]
@@ -141,6 +142,13 @@ def test_busy_gpu_moves_the_next_cell_to_another_replica(gpu_kernel, dev_cluster
     second = executor_node(gpu_kernel)
     assert second != first
     assert_equal_namespaces(gpu_kernel, ["v"])
+
+
+def test_next_cell_waits_for_its_own_last_lease_not_for_another_node(gpu_kernel):
+    first = executor_node(gpu_kernel)
+    for _ in range(3):  # each cell's process lingers after its reply, holding the node's only GPU
+        ok(gpu_kernel, SLOW_EXIT.format(s=0.3))
+        assert executor_node(gpu_kernel) == first
 
 
 def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):

@@ -1,0 +1,68 @@
+"""Ends a GPU cell after its reply: reap the cell's process, then give its grant back (DESIGN D2).
+
+A cell's GPU memory is free only once its process has exited, so the grant may end only after
+``waitpid``. The reply and the commit need nothing from the exit (the child has sent its result
+and namespace delta by then), so both wait on a background thread instead of the critical path.
+The kernel's next grant request waits for that thread first: a kernel must not find the GPU of a
+1-GPU node still held by its own previous cell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from gpuhub.kernel.grants import Grant
+
+log = logging.getLogger("gpuhub.kernel")
+
+
+class CellReaper:
+    """One worker thread, started on first use (starting a thread per cell costs the reply a
+    scheduling round trip on a busy machine); at most one cell's end in flight."""
+
+    def __init__(self, release: Callable[[Grant], None]) -> None:
+        self._release = release
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
+
+    def end_later(self, cell: str, pid: int | None, grant: Grant | None) -> None:
+        """Reap ``pid`` (None: already reaped), then release ``grant``, on the worker thread."""
+        self.wait()  # one at a time, so that cells end in their order
+        self._idle.clear()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="gpuhub-cell-reaper", daemon=True)
+            self._worker.start()
+        self._work.put((cell, pid, grant, time.monotonic()))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the last cell's process is gone and its grant released; False on timeout."""
+        return self._idle.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._work.get()
+            try:
+                self._end(*job)
+            except Exception:  # the thread must outlive any one cell; the agent expires a lost lease
+                log.exception("ending GPU cell %s failed", job[0])
+            finally:
+                self._idle.set()
+
+    def _end(self, cell: str, pid: int | None, grant: Grant | None, handed_over: float) -> None:
+        if pid is not None:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:  # reaped elsewhere: it is gone all the same
+                pass
+        exited = time.monotonic()
+        if grant is not None:
+            self._release(grant)
+        log.debug("cell %s: process exited %.1f ms after its delta, lease released in %.1f ms", cell,
+                  (exited - handed_over) * 1000, (time.monotonic() - exited) * 1000)
