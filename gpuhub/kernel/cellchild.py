@@ -27,6 +27,7 @@ from IPython.core.displaypub import DisplayPublisher
 
 from gpuhub.kernel import devices, dirty
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.replication import oob
 from gpuhub.replication.blobs import digest  # one content hash for change detection and blobs
 
 PR_SET_PDEATHSIG = 1
@@ -221,12 +222,28 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     chan.send("delta", namespace_delta(ns, before, digests, hidden, tracker=tracker))
 
 
+def pickle_value(value, *, out_of_band: bool = False) -> bytes | bytearray:
+    """The bytes that replicate ``value``: an in-band pickle, or with ``out_of_band`` a layout
+    (gpuhub/replication/oob.py) when the value holds large buffers. The layout is written into
+    new memory the caller owns, never aliasing the value: the blob store keeps these bytes while
+    later in-process cells may write the value in place."""
+    if not out_of_band:
+        return cloudpickle.dumps(value, protocol=5)
+    blob = oob.dumps(value)
+    if isinstance(blob, bytes):
+        return blob
+    out = bytearray(blob.nbytes)
+    blob.write_into(memoryview(out))
+    return out
+
+
 def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,
-                    tracker: dirty.Tracker | None = None) -> dict:
+                    tracker: dirty.Tracker | None = None, out_of_band: bool = False) -> dict:
     """What the cell changed: new or rebound names, mutated objects (by content digest), deletions.
 
     ``tracker`` (armed before the cell over names whose values the group has, see
-    gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest."""
+    gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest.
+    ``out_of_band``: large buffers travel as a layout (:func:`pickle_value`)."""
     changed: dict[str, bytes] = {}
     hashed: dict[str, str] = {}  # digests computed here, so the commit need not hash 1 GiB again
     tags: dict[str, int] = {}
@@ -241,7 +258,7 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
             continue
         try:
             host_value, index = devices.to_host(value)
-            data = cloudpickle.dumps(host_value, protocol=5)
+            data = pickle_value(host_value, out_of_band=out_of_band)
         except Exception as exc:  # noqa: BLE001 - any pickling failure is reported by name
             if rebound:
                 failed[name] = f"{type(value).__name__}: {exc}"

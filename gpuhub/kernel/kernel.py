@@ -54,7 +54,7 @@ class GpuhubKernel(IPythonKernel):
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
-        self.replica = Replica.from_env(self.session.key)
+        self.replica = Replica.from_env(self.session.key, cells_in_process=self.gpus == 0)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
             self._join_group()
@@ -185,7 +185,7 @@ class GpuhubKernel(IPythonKernel):
                                                   cell_meta=cell_meta, cell_id=cell_id)
             finally:
                 self._running_here = False
-            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden)
+            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True)
             self._warn_unreplicable(delta["failed"])
         else:
             self._allow_stdin = allow_stdin

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhub.kernel import cellchild
-from gpuhub.replication import blobs
+from gpuhub.replication import blobs, oob
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
 
@@ -101,7 +101,7 @@ def reachable(addr: str, timeout_s: float = 0.5) -> bool:
 
 class Replica:
     def __init__(self, replica_id: int, peers: list[Peer], key: bytes, journal_dir: str | None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, *, cells_in_process: bool = False) -> None:
         self.id = replica_id
         self.peers = {p.id: p for p in peers}
         if replica_id not in self.peers:
@@ -109,7 +109,10 @@ class Replica:
         self.me = self.peers[replica_id]
         self.key = key
         self.settings = settings or Settings.from_env()
-        self.store = blobs.BlobStore()
+        # CPU kernels run cells in this process: values are loaded copy-on-write from the store's
+        # files (see load_value), so a cell writing them in place never changes a stored blob.
+        self.cells_in_process = cells_in_process
+        self.store = blobs.BlobStore(file_backed=cells_in_process)
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -126,14 +129,15 @@ class Replica:
         self._peers_mtime = 0
 
     @classmethod
-    def from_env(cls, key: bytes) -> "Replica | None":
+    def from_env(cls, key: bytes, *, cells_in_process: bool = False) -> "Replica | None":
         peers_file = os.environ.get("GPUHUB_PEERS_FILE")
         if not peers_file:
             return None
         settings = Settings.from_env()
         peers = read_peers(peers_file, settings.ready_timeout_s)
         replica = cls(int(os.environ.get("GPUHUB_REPLICA_ID", "0")), peers, key,
-                      os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
+                      os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings,
+                      cells_in_process=cells_in_process)
         replica.watch_peers(peers_file)
         return replica
 
@@ -288,13 +292,32 @@ class Replica:
         if data is None:
             data = self.store.get(entry.digest)
             if data is None:
-                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest)
-                self.store.put(entry.digest, data)
-        value = pickle.loads(data)
+                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
+        if oob.is_layout(data):
+            value = oob.loads(data, self._buffer_source(entry.digest, data))
+        else:
+            value = pickle.loads(data)
         if self.huge_pages:
             cellchild.collapse_later(data)  # kept in the store: forked with the process too
             cellchild.collapse_later(value)
         return value
+
+    def _buffer_source(self, d: str, data):
+        """Where a layout's buffers come from when this replica loads it (the aliasing rule, see
+        the module docstring): a copy-on-write mapping of the stored file when there is one;
+        otherwise a private copy, made without the GIL."""
+        view = memoryview(data).cast("B")
+
+        def buffer_at(offset: int, length: int):
+            if length and self.store.file_backed:
+                mapped = self.store.map_private(d, offset, length)
+                if mapped is not None:
+                    return mapped
+            copy = bytearray(length)
+            oob.copy_into(memoryview(copy), view[offset:offset + length])
+            return copy
+
+        return buffer_at
 
     def sync_namespace(self, ns: dict, digests: dict[str, str], device_tags: dict[str, int],
                        force: set[str] = frozenset()) -> list[str]:

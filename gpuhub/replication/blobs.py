@@ -70,6 +70,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -77,6 +78,7 @@ import socket
 import struct
 import sys
 import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Self
@@ -90,6 +92,8 @@ CHUNK = 16 << 20
 TAG = b"gpuhub-blob/1 sha256-tree 16MiB\0"
 MAX_BLOB = 64 << 30
 """Default cap on one value's length, in bytes (a header over it is refused)."""
+FILE_MIN = 1 << 20
+"""``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
 SOCK_BUF = 4 << 20
 """SO_SNDBUF/SO_RCVBUF asked for (Linux caps it at net.core.[rw]mem_max and doubles it)."""
 
@@ -170,6 +174,26 @@ def _check_digest(d: str) -> bytes:
 
 
 # --- store ---------------------------------------------------------------------------------------
+class _FileBuffer(mmap.mmap):
+    """A shared, writable mapping of a memfd of its own; ``fd`` stays open while it lives, so
+    that parts of it can be mapped again privately (:meth:`BlobStore.map_private`)."""
+
+    fd: int
+
+    @classmethod
+    def create(cls, n: int) -> _FileBuffer:
+        fd = os.memfd_create("gpuhub-blob", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, n)
+            buf = cls(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        buf.fd = fd
+        weakref.finalize(buf, os.close, fd)
+        return buf
+
+
 class BlobStore:
     """Thread-safe in-memory map ``digest -> bytes-like``.
 
@@ -181,10 +205,17 @@ class BlobStore:
     memory that is already mapped, instead of page-faulting a fresh gigabyte (0.2 s/GiB on bare
     metal, about 0.8 s/GiB in a VM that hands freed memory back to its host). The price is that
     much extra resident memory per replica, so it is off by default.
+
+    With ``file_backed``, :meth:`alloc` puts values of at least :data:`FILE_MIN` bytes in a memfd
+    (an anonymous in-memory file) mapped shared, and :meth:`map_private` maps a page-aligned part
+    of a stored one copy-on-write: the mapping shares the stored pages until someone writes to
+    it, then that page becomes private, so the stored bytes never change. Such buffers are never
+    kept as spares (a private mapping of a reused file would see the new value's bytes).
     """
 
-    def __init__(self, spare_bytes: int = 0) -> None:
+    def __init__(self, spare_bytes: int = 0, *, file_backed: bool = False) -> None:
         self.spare_bytes = spare_bytes
+        self.file_backed = file_backed
         self._blobs: dict[str, bytes | bytearray | memoryview] = {}
         self._owned: dict[str, int] = {}  # digest -> length, for buffers from alloc()
         self._spares: list[bytearray] = []
@@ -209,9 +240,14 @@ class BlobStore:
                 buf = min(fits, key=len)
                 self._spares = [b for b in self._spares if b is not buf]
                 return buf
+        if self.file_backed and n >= FILE_MIN:
+            try:
+                return _FileBuffer.create(n)
+            except OSError as e:
+                raise MemoryError(f"no memfd for {n} bytes: {e}") from None
         return bytearray(n)
 
-    def adopt(self, d: str, buf: bytearray, n: int) -> None:
+    def adopt(self, d: str, buf: bytearray | _FileBuffer, n: int) -> None:
         """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
         with self._lock:
             if d not in self._blobs:
@@ -220,14 +256,14 @@ class BlobStore:
                 return
         self.recycle(buf)  # someone stored the same value meanwhile
 
-    def recycle(self, buf: bytearray) -> None:
+    def recycle(self, buf: bytearray | _FileBuffer) -> None:
         """Give back a buffer from :meth:`alloc` that was not adopted."""
         with self._lock:
             self._spare(buf, 4)  # the caller's variable, ours, _spare's, getrefcount's
 
     def _spare(self, buf: bytearray, refs: int) -> None:
         # ``refs``: the references the caller's frames hold; more means a view is still alive
-        if (sys.getrefcount(buf) <= refs
+        if (type(buf) is bytearray and sys.getrefcount(buf) <= refs
                 and sum(map(len, self._spares)) + len(buf) <= self.spare_bytes):
             self._spares.append(buf)
 
@@ -238,6 +274,16 @@ class BlobStore:
             if n is None:
                 return data
             return memoryview(data)[:n].toreadonly()  # made under the lock: see _spare
+
+    def map_private(self, d: str, offset: int, length: int) -> mmap.mmap | None:
+        """A writable copy-on-write mapping of ``length`` bytes at ``offset`` (a multiple of the
+        page size) of the stored value ``d``, or None when that value is not file-backed."""
+        with self._lock:  # under the lock: retain() may drop the file meanwhile
+            buf = self._blobs.get(d)
+            if type(buf) is not _FileBuffer or offset + length > self._owned[d]:
+                return None
+            return mmap.mmap(buf.fd, length, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
 
     def has(self, d: str) -> bool:
         with self._lock:

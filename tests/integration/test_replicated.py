@@ -3,6 +3,7 @@ the router and a real jupyter_client client (issue: Raft-replicated kernels)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,10 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import numpy as np
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.devcluster import DevCluster, DevKernel, current_user
+from gpuhub.replication import blobs, oob
 from tests.integration.test_gpu_cells import run
 
 
@@ -267,3 +270,69 @@ def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_p
         if kernel is not None:
             kernel.close()
         cluster.stop()
+
+
+def _blob_addrs(pid: int) -> dict[int, str]:
+    _, env, _ = _restartable(pid)
+    doc = json.loads(Path(env["GPUHUB_PEERS_FILE"]).read_text())
+    return {int(r["id"]): r["blob"] for r in doc["replicas"]}
+
+
+def _memfd_mapped_bytes(pid: int) -> int:
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "memfd:gpuhub-blob" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            total += hi - lo
+    return total
+
+
+def _layout_digest(value) -> str:
+    return blobs.digest(oob.dumps(value).to_bytes())
+
+
+def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_kernel):
+    """Followers load a large array copy-on-write from their blob store's memfd (no copy under
+    the GIL); when one of them becomes the executor and writes it in place, the blob it was
+    loaded from keeps its bytes: peers fetching that digest get them, verified."""
+    n = 4_000_000  # 32 MB of float64: out of band
+    ok(cpu_kernel, f"import numpy as np\nbig = np.arange({n}, dtype=np.float64)")
+    node = executor_node(cpu_kernel)
+    executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    followers = [r["id"] for r in cpu_kernel.record["replicas"] if r["id"] != executor]
+    for rid in followers:  # the store's shared mapping and the value's private one, same memfd
+        pid = cpu_kernel.pid(rid)
+        eventually(lambda: _memfd_mapped_bytes(pid) >= 2 * n * 8, 20, f"replica {rid} mapping `big`")
+    key = cpu_kernel.key.encode()
+    addrs = _blob_addrs(cpu_kernel.pid(executor))
+    original = np.arange(n, dtype=np.float64)
+
+    ok(cpu_kernel, "big += 1")  # the executor writes its own value: its store holds a copy
+    d0, d1 = _layout_digest(original), _layout_digest(original + 1)
+    assert np.array_equal(oob.loads(blobs.fetch([addrs[executor]], key, d1)), original + 1)
+
+    # The executor is lost: a follower that loaded `big` copy-on-write runs the next cells.
+    pid = cpu_kernel.pid(executor)
+    cmd, env, cwd = _restartable(pid)
+    os.kill(pid, signal.SIGKILL)
+    ok(cpu_kernel, "big *= 2", timeout=30)
+    ok(cpu_kernel, "big[:3] = -1")
+    node = executor_node(cpu_kernel)
+    second = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    assert second in followers
+    got = blobs.fetch([addrs[second]], key, d1)  # verified: the in-place writes left it intact
+    assert np.array_equal(oob.loads(got), original + 1)
+    with pytest.raises(blobs.BlobError):
+        blobs.fetch([addrs[second]], key, d0)  # dropped once the group moved on
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # the restarted replica fetches the current value from its peers
+        view = eventually(lambda: assert_equal_namespaces(cpu_kernel, ["big"]), 60,
+                          "the restarted replica holding the group's `big`")
+        assert view["big"].startswith("[-1.")
+        out = ok(cpu_kernel, "print(float(big[3]), float(big[-1]), big.flags.writeable)")
+        assert out["stdout"].split() == ["8.0", str((n - 1 + 1) * 2.0), "True"]
+    finally:
+        proc.kill()
+        proc.wait(10)
