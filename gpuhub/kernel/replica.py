@@ -14,6 +14,27 @@ replica because the router forwards one message to all):
 3. the others wait for that entry (or an ``abort``, when the executor is lost, no GPU came in
    time, or the user interrupted the wait), then load the changed names. The kernel replies only
    then, so no replica starts cell n+1 before the delta of cell n is committed.
+
+**Large buffers without copies, and who may write them.** A CPU executor pickles a changed value
+with its large buffers out of band (gpuhub/replication/oob.py): one copy of each buffer into new
+memory the blob store keeps. Followers receive the blob straight into a memfd
+(``BlobStore(file_backed=True)``) and build the value on it: each buffer is mapped ``MAP_PRIVATE``
+from that file (:meth:`Replica._buffer_source`), so the value costs no copy and no
+``pickle.loads`` of a gigabyte, and the follower's Raft thread keeps getting the GIL. The rule
+that keeps this sound, *the bytes stored under a digest never change while stored*, holds because
+
+- the executor's store entry is its own copy, never the live value that a later in-process cell
+  may write in place;
+- a follower's value shares the stored pages only until something writes them: a write (this
+  replica becomes the executor of a CPU cell and runs ``big += 1``) copies that page into the
+  process's private memory, the memfd keeps the old bytes, and peers or a replacement replica
+  fetching that digest from here still get them (fetch re-hashes, so a violation would show);
+- memfds are never reused for another value (a private mapping of a reused file would see it);
+- where a layout sits in the store without a file (the executor's own copy, a store that is not
+  file-backed), loading copies the buffers (without the GIL) rather than aliasing them.
+
+GPU kernels' values still travel as in-band pickles: their cells run in a forked child whose delta
+comes back over a pipe (zero-copy there: not built).
 """
 
 from __future__ import annotations
