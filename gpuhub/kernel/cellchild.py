@@ -28,7 +28,7 @@ from IPython.core.displaypub import DisplayPublisher
 from gpuhub.kernel import devices, dirty
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.replication import oob
-from gpuhub.replication.blobs import digest  # one content hash for change detection and blobs
+from gpuhub.replication.blobs import digest, fill_and_digest  # one content hash for all
 
 PR_SET_PDEATHSIG = 1
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <sys/mman.h>; MADV_COLLAPSE since Linux 6.1
@@ -222,19 +222,22 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     chan.send("delta", namespace_delta(ns, before, digests, hidden, tracker=tracker))
 
 
-def pickle_value(value, *, out_of_band: bool = False) -> bytes | bytearray:
-    """The bytes that replicate ``value``: an in-band pickle, or with ``out_of_band`` a layout
-    (gpuhub/replication/oob.py) when the value holds large buffers. The layout is written into
-    new memory the caller owns, never aliasing the value: the blob store keeps these bytes while
-    later in-process cells may write the value in place."""
+def pickle_value(value, *, out_of_band: bool = False) -> tuple[bytes | bytearray, str | None]:
+    """The bytes that replicate ``value``, and their digest when it came for free: an in-band
+    pickle, or with ``out_of_band`` a layout (gpuhub/replication/oob.py) when the value holds
+    large buffers. A layout is written into new memory the caller owns, never aliasing the
+    value (the blob store keeps these bytes while later in-process cells may write the value in
+    place), and hashed while it is written."""
     if not out_of_band:
-        return cloudpickle.dumps(value, protocol=5)
-    blob = oob.dumps(value)
-    if isinstance(blob, bytes):
-        return blob
-    out = bytearray(blob.nbytes)
-    blob.write_into(memoryview(out))
-    return out
+        return cloudpickle.dumps(value, protocol=5), None
+    layout = oob.dumps(value)
+    if isinstance(layout, bytes):
+        return layout, None
+    out = bytearray(layout.nbytes)
+    view = memoryview(out)
+    d = fill_and_digest(out, lambda lo, hi: layout.write_range(view, lo, hi))
+    view.release()
+    return out, d
 
 
 def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,
@@ -258,13 +261,13 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
             continue
         try:
             host_value, index = devices.to_host(value)
-            data = pickle_value(host_value, out_of_band=out_of_band)
+            data, known = pickle_value(host_value, out_of_band=out_of_band)
         except Exception as exc:  # noqa: BLE001 - any pickling failure is reported by name
             if rebound:
                 failed[name] = f"{type(value).__name__}: {exc}"
             continue
-        if not rebound:
-            hashed[name] = digest(data)
+        if known is not None or not rebound:
+            hashed[name] = known or digest(data)
         if rebound or digests.get(name) != hashed[name]:
             changed[name] = data
             if index is not None:

@@ -57,6 +57,7 @@ from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
 log = logging.getLogger("gpuhub.replica")
 
 INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
+MAX_MAPPED_BUFFERS = 1024  # per value loaded copy-on-write; further buffers are copied
 
 
 @dataclass
@@ -289,7 +290,10 @@ class Replica:
         # The call returns when the leader applied it; wait until this replica did too.
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
-        return outcome.kind == "complete" and outcome.by == self.id, entries
+        won = outcome.kind == "complete" and outcome.by == self.id
+        if won:  # older values of the changed names are no one's any more (a sticky executor
+            self.store.retain(self._blob_digests())  # never follows, so it never dropped them)
+        return won, entries
 
     # --- 3. the others ------------------------------------------------------------
     def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:
@@ -323,16 +327,25 @@ class Replica:
             cellchild.collapse_later(value)
         return value
 
+    def _blob_digests(self, names: dict[str, NameEntry] | None = None) -> set[str]:
+        with self.state.changed:
+            names = dict(self.state.names) if names is None else names
+        return {e.digest for e in names.values() if e.inline is None}
+
     def _buffer_source(self, d: str, data):
         """Where a layout's buffers come from when this replica loads it (the aliasing rule, see
         the module docstring): a copy-on-write mapping of the stored file when there is one;
         otherwise a private copy, made without the GIL."""
         view = memoryview(data).cast("B")
+        mapped_so_far = 0
 
         def buffer_at(offset: int, length: int):
-            if length and self.store.file_backed:
+            nonlocal mapped_so_far
+            # one mapping per buffer: bounded, as a process has at most vm.max_map_count of them
+            if length and self.store.file_backed and mapped_so_far < MAX_MAPPED_BUFFERS:
                 mapped = self.store.map_private(d, offset, length)
                 if mapped is not None:
+                    mapped_so_far += 1
                     return mapped
             copy = bytearray(length)
             oob.copy_into(memoryview(copy), view[offset:offset + length])
@@ -366,5 +379,5 @@ class Replica:
         for name in force:
             if name not in names:
                 ns.pop(name, None)
-        self.store.retain({e.digest for e in names.values() if e.inline is None})
+        self.store.retain(self._blob_digests(names))
         return failed

@@ -79,12 +79,13 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Self
 
 __all__ = [
-    "CHUNK", "BlobError", "BlobServer", "BlobStore", "digest", "fetch", "push", "push_all",
+    "CHUNK", "BlobError", "BlobServer", "BlobStore", "digest", "fetch", "fill_and_digest", "push",
+    "push_all",
 ]
 
 CHUNK = 16 << 20
@@ -164,6 +165,25 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     else:
         leaves = [_leaf(c) for c in chunks]
     return _root(n, leaves)
+
+
+def fill_and_digest(dest: bytearray | memoryview, write: Callable[[int, int], None]) -> str:
+    """The digest of ``dest`` while ``write(lo, hi)`` fills it, one :data:`CHUNK` at a time: each
+    chunk is hashed in the pool as soon as it is written, so filling and hashing overlap (both
+    without the GIL when ``write`` copies with numpy). Same result as ``digest`` afterwards."""
+    mv = _bytes_view(dest)
+    n = mv.nbytes
+    pool = _hash_pool()
+    futures: list[Future[bytes]] = []
+    try:
+        for i in range(0, n, CHUNK):
+            write(i, min(i + CHUNK, n))
+            futures.append(pool.submit(_leaf, mv[i:i + CHUNK]))
+        return _root(n, [f.result() for f in futures])
+    finally:
+        for f in futures:
+            f.cancel()
+        wait(futures)
 
 
 def _check_digest(d: str) -> bytes:

@@ -70,20 +70,34 @@ class Layout:
     def write_into(self, dest: memoryview) -> None:
         """Write the whole blob into ``dest`` (``nbytes`` long, writable): one copy of each
         buffer, made without holding the GIL when numpy is available."""
+        self.write_range(dest, 0, self.nbytes)
+
+    def write_range(self, dest: memoryview, lo: int, hi: int) -> None:
+        """Write bytes ``lo:hi`` of the blob into the same range of ``dest``, so a caller can
+        hash each part while the next one is written (``blobs.fill_and_digest``)."""
         dest = dest.cast("B") if dest.format != "B" else dest
         if len(dest) != self.nbytes:
             raise ValueError(f"destination is {len(dest)} bytes, the layout {self.nbytes}")
-        end = len(self.head)
-        dest[:end] = self.head
+        pieces = [(0, memoryview(self.head))]
         for buf, off in zip(self.buffers, self.offsets):
-            dest[end:off] = bytes(off - end)
-            copy_into(dest[off:off + len(buf)], buf)
-            end = off + len(buf)
+            pieces.append((off, buf))
+        end = 0
+        for start, piece in pieces:
+            _zero(dest, max(lo, end), min(hi, start))  # padding before this piece
+            a, b = max(lo, start), min(hi, start + len(piece))
+            if a < b:
+                copy_into(dest[a:b], piece[a - start:b - start])
+            end = start + len(piece)
 
     def to_bytes(self) -> bytes:
         out = bytearray(self.nbytes)
         self.write_into(memoryview(out))
         return bytes(out)
+
+
+def _zero(dest: memoryview, lo: int, hi: int) -> None:
+    if lo < hi:
+        dest[lo:hi] = bytes(hi - lo)
 
 
 def _align(n: int) -> int:
