@@ -10,10 +10,11 @@ import signal
 import subprocess
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
@@ -278,13 +279,14 @@ def _blob_addrs(pid: int) -> dict[int, str]:
     return {int(r["id"]): r["blob"] for r in doc["replicas"]}
 
 
-def _memfd_mapped_bytes(pid: int) -> int:
+def _memfd_maps_at_least(pid: int, nbytes: int) -> bool:
+    """Whether ``pid`` maps at least ``nbytes`` of blob-store memfds (shared or private)."""
     total = 0
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         if "memfd:gpuhub-blob" in line:
             lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
             total += hi - lo
-    return total
+    return total >= nbytes
 
 
 def _layout_digest(value) -> str:
@@ -304,8 +306,8 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
     followers = [r["id"] for r in cpu_kernel.record["replicas"] if r["id"] != executor]
     for rid in followers:  # the store's shared mapping and the values' private ones, same memfd
-        pid = cpu_kernel.pid(rid)
-        eventually(lambda: _memfd_mapped_bytes(pid) >= 4 * n * 8, 20, f"replica {rid} mapping the arrays")
+        eventually(partial(_memfd_maps_at_least, cpu_kernel.pid(rid), 4 * n * 8), 20,
+                   f"replica {rid} mapping the arrays")
     key = cpu_kernel.key.encode()
     addrs = _blob_addrs(cpu_kernel.pid(executor))
     original = np.arange(n, dtype=np.float64)
