@@ -185,7 +185,8 @@ class GpuhubKernel(IPythonKernel):
                                                   cell_meta=cell_meta, cell_id=cell_id)
             finally:
                 self._running_here = False
-            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True)
+            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True,
+                                              alloc=rep.alloc_copy)
             self._warn_unreplicable(delta["failed"])
         else:
             self._allow_stdin = allow_stdin

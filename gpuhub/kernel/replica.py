@@ -58,6 +58,8 @@ log = logging.getLogger("gpuhub.replica")
 
 INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
 MAX_MAPPED_BUFFERS = 1024  # per value loaded copy-on-write; further buffers are copied
+EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
+# the old copy is held until the new one is committed anyway)
 
 
 @dataclass
@@ -134,7 +136,9 @@ class Replica:
         # CPU kernels run cells in this process: values are loaded copy-on-write from the store's
         # files (see load_value), so a cell writing them in place never changes a stored blob.
         self.cells_in_process = cells_in_process
-        self.store = blobs.BlobStore(file_backed=cells_in_process)
+        # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
+        self.store = blobs.BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
+                                     file_backed=cells_in_process)
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -277,7 +281,7 @@ class Replica:
             small = len(data) <= self.settings.inline_max_bytes
             entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
             if not small:
-                self.store.put(d, data)
+                self._keep(d, data)
                 to_push[d] = data
                 if self.huge_pages:
                     cellchild.collapse_later(data)
@@ -294,6 +298,20 @@ class Replica:
         if won:  # older values of the changed names are no one's any more (a sticky executor
             self.store.retain(self._blob_digests())  # never follows, so it never dropped them)
         return won, entries
+
+    def _keep(self, d: str, data) -> None:
+        """Store a value this replica produced. A layout written into a buffer from
+        :meth:`alloc_copy` is adopted, so once dropped it can take the next copy (already mapped
+        memory instead of a fresh gigabyte of page faults)."""
+        owner = data.obj if isinstance(data, memoryview) else data
+        if type(owner) is bytearray:
+            self.store.adopt(d, owner, memoryview(data).nbytes)
+        else:
+            self.store.put(d, data)
+
+    def alloc_copy(self, n: int) -> bytearray:
+        """Memory for the executor's copy of a changed value (see the module docstring)."""
+        return self.store.alloc(n, anonymous=True)
 
     # --- 3. the others ------------------------------------------------------------
     def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:

@@ -251,21 +251,24 @@ class BlobStore:
                 self._blobs[d] = data
                 self._nbytes += size
 
-    def alloc(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes (a spare when one fits within n + n/4) to receive a
-        value into, then :meth:`adopt` or :meth:`recycle`. Raises MemoryError."""
-        with self._lock:
-            fits = [b for b in self._spares if n <= len(b) <= n + n // 4]
-            if fits:
-                buf = min(fits, key=len)
-                self._spares = [b for b in self._spares if b is not buf]
-                return buf
-        if self.file_backed and n >= FILE_MIN:
-            try:
-                return _FileBuffer.create(n)
-            except OSError as e:
-                raise MemoryError(f"no memfd for {n} bytes: {e}") from None
-        return bytearray(n)
+    def alloc(self, n: int, *, anonymous: bool = False) -> bytearray | _FileBuffer:
+        """A buffer of at least ``n`` bytes to receive a value into, then :meth:`adopt` or
+        :meth:`recycle`: a spare when one fits within n + n/4; in a file-backed store, a new memfd
+        for a value of :data:`FILE_MIN` or more, unless ``anonymous`` (for a value this process
+        writes itself, that it never maps copy-on-write). Raises MemoryError."""
+        to_file = self.file_backed and n >= FILE_MIN and not anonymous
+        if not to_file:
+            with self._lock:
+                fits = [b for b in self._spares if n <= len(b) <= n + n // 4]
+                if fits:
+                    buf = min(fits, key=len)
+                    self._spares = [b for b in self._spares if b is not buf]
+                    return buf
+            return bytearray(n)
+        try:
+            return _FileBuffer.create(n)
+        except OSError as e:
+            raise MemoryError(f"no memfd for {n} bytes: {e}") from None
 
     def adopt(self, d: str, buf: bytearray | _FileBuffer, n: int) -> None:
         """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
