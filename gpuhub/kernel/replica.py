@@ -361,7 +361,11 @@ class Replica:
             nonlocal mapped_so_far
             # one mapping per buffer: bounded, as a process has at most vm.max_map_count of them
             if length and self.store.file_backed and mapped_so_far < MAX_MAPPED_BUFFERS:
-                mapped = self.store.map_private(d, offset, length)
+                try:
+                    mapped = self.store.map_private(d, offset, length)
+                except OSError as exc:  # e.g. vm.max_map_count reached: copy instead
+                    log.warning("replica %d: cannot map a buffer of %s…: %s", self.id, d[:16], exc)
+                    mapped = None
                 if mapped is not None:
                     mapped_so_far += 1
                     return mapped

@@ -61,6 +61,11 @@ on the dev VM (its host takes freed pages back), so ``BlobStore(spare_bytes=…)
 buffers of dropped values for the next value of about that size (4.2 → 2.3 CPU-seconds for the
 push above).
 
+**Files.** ``BlobStore(file_backed=True)`` (CPU kernels' replicas) receives values of
+:data:`FILE_MIN` or more into a memfd, so that a value can be built on the received pages with
+private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/replication/oob.py): the
+stored bytes stay as received even when the value is written. Such files are never reused.
+
 Caller contract: values handed to :meth:`BlobStore.put` and :func:`push` must not be mutated
 afterwards (the store keeps a reference, not a copy).
 """
