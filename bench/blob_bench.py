@@ -11,7 +11,9 @@ Configurations:
 - ``cold``: the default store; every push lands in freshly allocated memory (page faults);
 - ``warm``: ``BlobStore(spare_bytes=…)`` and ``retain()`` after each push, as a replica does when
   a variable changes: the next value of that size reuses the dropped buffer;
-- ``warm-noverify``: as warm, with ``BlobServer(verify=False)`` (no re-hash on receipt).
+- ``warm-noverify``: as warm, with ``BlobServer(verify=False)`` (no re-hash on receipt);
+- ``memfd``: ``BlobStore(file_backed=True)``, as CPU kernels' replicas use (values received into
+  a memfd, so they can be mapped copy-on-write; never reused, so cold like ``cold``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import numpy as np
 
 from gpuhub.replication.blobs import BlobServer, BlobStore, digest, push_all
 
-CONFIGS = {  # name -> (spare buffers, verify on receipt)
-    "cold": (False, True),
-    "warm": (True, True),
-    "warm-noverify": (True, False),
+CONFIGS = {  # name -> (spare buffers, verify on receipt, memfd store)
+    "cold": (False, True, False),
+    "warm": (True, True, False),
+    "warm-noverify": (True, False, False),
+    "memfd": (False, True, True),
 }
 
 
@@ -38,11 +41,11 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def _push_times(value: np.ndarray, repeats: int, spare: bool, verify: bool,
+def _push_times(value: np.ndarray, repeats: int, spare: bool, verify: bool, memfd: bool,
                 digest_times: list[float]) -> tuple[list[float], list[float]]:
     key = secrets.token_bytes(32)
     n = value.nbytes
-    stores = [BlobStore(spare_bytes=2 * n if spare else 0) for _ in range(2)]
+    stores = [BlobStore(spare_bytes=2 * n if spare else 0, file_backed=memfd) for _ in range(2)]
     servers = [BlobServer(s, key, "127.0.0.1", 0, verify=verify).start() for s in stores]
     addrs = [s.address for s in servers]
     times, cpus = [], []
@@ -80,8 +83,8 @@ def run(size_bytes: int = 1 << 30, repeats: int = 5, *,
     result: dict = {"size_bytes": size_bytes, "repeats": repeats, "cpus": os.cpu_count(),
                     "loadavg_before": os.getloadavg()[0], "push": {}}
     for name in configs:
-        spare, verify = CONFIGS[name]
-        times, cpus = _push_times(value, repeats, spare, verify, digest_times)
+        spare, verify, memfd = CONFIGS[name]
+        times, cpus = _push_times(value, repeats, spare, verify, memfd, digest_times)
         med = statistics.median(times)
         result["push"][name] = {"median_s": med, "gbps": size_bytes / med / 1e9,
                                 "min_s": min(times), "times": times,

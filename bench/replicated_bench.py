@@ -169,7 +169,7 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
 def run_b3a(results: dict) -> None:
     from bench import blob_bench
 
-    r = blob_bench.run(GIB, 3, configs=("cold", "warm"), verbose=False)
+    r = blob_bench.run(GIB, 3, configs=("cold", "warm", "memfd"), verbose=False)
     results["B3a"] = r
     progress("B3a: " + ", ".join(f"{name} {p['gbps']:.2f} GB/s" for name, p in r["push"].items()))
 

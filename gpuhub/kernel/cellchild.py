@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 
 import cloudpickle
 from IPython.core.displayhook import DisplayHook
@@ -28,7 +29,8 @@ from IPython.core.displaypub import DisplayPublisher
 
 from gpuhub.kernel import devices, dirty
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
-from gpuhub.replication.blobs import digest  # one content hash for change detection and blobs
+from gpuhub.replication import oob
+from gpuhub.replication.blobs import digest, fill_and_digest  # one content hash for all
 
 PR_SET_PDEATHSIG = 1
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <sys/mman.h>; MADV_COLLAPSE since Linux 6.1
@@ -258,12 +260,33 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     chan.send("delta", delta, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
 
+def pickle_value(value, *, out_of_band: bool = False, alloc: Callable[[int], bytearray] | None = None
+                 ) -> tuple[bytes | bytearray | memoryview, str | None]:
+    """The bytes that replicate ``value``, and their digest when it came for free: an in-band
+    pickle, or with ``out_of_band`` a layout (gpuhub/replication/oob.py) when the value holds
+    large buffers. A layout is written into new memory the caller owns (``alloc(n)``: at least
+    n bytes, e.g. a reused buffer; the result is then a view of its first n), never aliasing the
+    value (the blob store keeps these bytes while later in-process cells may write the value in
+    place), and hashed while it is written."""
+    if not out_of_band:
+        return cloudpickle.dumps(value, protocol=5), None
+    layout = oob.dumps(value)
+    if isinstance(layout, bytes):
+        return layout, None
+    buf = alloc(layout.nbytes) if alloc is not None else bytearray(layout.nbytes)
+    view = memoryview(buf)[:layout.nbytes]
+    d = fill_and_digest(view, lambda lo, hi: layout.write_range(view, lo, hi))
+    return (view if len(buf) != layout.nbytes else buf), d
+
+
 def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], hidden: set[str], *,
-                    tracker: dirty.Tracker | None = None) -> dict:
+                    tracker: dirty.Tracker | None = None, out_of_band: bool = False,
+                    alloc: Callable[[int], bytearray] | None = None) -> dict:
     """What the cell changed: new or rebound names, mutated objects (by content digest), deletions.
 
     ``tracker`` (armed before the cell over names whose values the group has, see
-    gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest."""
+    gpuhub/kernel/dirty.py) lets large buffers that no write touched skip the pickle + digest.
+    ``out_of_band``, ``alloc``: large buffers travel as a layout (:func:`pickle_value`)."""
     changed: dict[str, bytes] = {}
     hashed: dict[str, str] = {}  # digests computed here, so the commit need not hash 1 GiB again
     tags: dict[str, int] = {}
@@ -278,13 +301,13 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
             continue
         try:
             host_value, index = devices.to_host(value)
-            data = cloudpickle.dumps(host_value, protocol=5)
+            data, known = pickle_value(host_value, out_of_band=out_of_band, alloc=alloc)
         except Exception as exc:  # noqa: BLE001 - any pickling failure is reported by name
             if rebound:
                 failed[name] = f"{type(value).__name__}: {exc}"
             continue
-        if not rebound:
-            hashed[name] = digest(data)
+        if known is not None or not rebound:
+            hashed[name] = known or digest(data)
         if rebound or digests.get(name) != hashed[name]:
             changed[name] = data
             if index is not None:

@@ -66,7 +66,7 @@ class GpuhubKernel(IPythonKernel):
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         if self.gpus > 0:
             cellchild.warm_up(self.shell)  # every GPU cell's child starts from these caches
-        self.replica = Replica.from_env(self.session.key)
+        self.replica = Replica.from_env(self.session.key, cells_in_process=self.gpus == 0)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
             self._join_group()
@@ -199,7 +199,8 @@ class GpuhubKernel(IPythonKernel):
                                                   cell_meta=cell_meta, cell_id=cell_id)
             finally:
                 self._running_here = False
-            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden)
+            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True,
+                                              alloc=rep.alloc_copy)
             self._warn_unreplicable(delta["failed"])
         else:
             self._allow_stdin = allow_stdin

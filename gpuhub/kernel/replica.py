@@ -14,6 +14,27 @@ replica because the router forwards one message to all):
 3. the others wait for that entry (or an ``abort``, when the executor is lost, no GPU came in
    time, or the user interrupted the wait), then load the changed names. The kernel replies only
    then, so no replica starts cell n+1 before the delta of cell n is committed.
+
+**Large buffers without copies, and who may write them.** A CPU executor pickles a changed value
+with its large buffers out of band (gpuhub/replication/oob.py): one copy of each buffer into new
+memory the blob store keeps. Followers receive the blob straight into a memfd
+(``BlobStore(file_backed=True)``) and build the value on it: each buffer is mapped ``MAP_PRIVATE``
+from that file (:meth:`Replica._buffer_source`), so the value costs no copy and no
+``pickle.loads`` of a gigabyte, and the follower's Raft thread keeps getting the GIL. The rule
+that keeps this sound, *the bytes stored under a digest never change while stored*, holds because
+
+- the executor's store entry is its own copy, never the live value that a later in-process cell
+  may write in place;
+- a follower's value shares the stored pages only until something writes them: a write (this
+  replica becomes the executor of a CPU cell and runs ``big += 1``) copies that page into the
+  process's private memory, the memfd keeps the old bytes, and peers or a replacement replica
+  fetching that digest from here still get them (fetch re-hashes, so a violation would show);
+- memfds are never reused for another value (a private mapping of a reused file would see it);
+- where a layout sits in the store without a file (the executor's own copy, a store that is not
+  file-backed), loading copies the buffers (without the GIL) rather than aliasing them.
+
+GPU kernels' values still travel as in-band pickles: their cells run in a forked child whose delta
+comes back over a pipe (zero-copy there: not built).
 """
 
 from __future__ import annotations
@@ -29,13 +50,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhub.kernel import cellchild
-from gpuhub.replication import blobs
+from gpuhub.replication import blobs, oob
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
 
 log = logging.getLogger("gpuhub.replica")
 
 INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
+MAX_MAPPED_BUFFERS = 1024  # per value loaded copy-on-write; further buffers are copied
+EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
+# the old copy is held until the new one is committed anyway)
 
 
 @dataclass
@@ -101,7 +125,7 @@ def reachable(addr: str, timeout_s: float = 0.5) -> bool:
 
 class Replica:
     def __init__(self, replica_id: int, peers: list[Peer], key: bytes, journal_dir: str | None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, *, cells_in_process: bool = False) -> None:
         self.id = replica_id
         self.peers = {p.id: p for p in peers}
         if replica_id not in self.peers:
@@ -109,7 +133,12 @@ class Replica:
         self.me = self.peers[replica_id]
         self.key = key
         self.settings = settings or Settings.from_env()
-        self.store = blobs.BlobStore()
+        # CPU kernels run cells in this process: values are loaded copy-on-write from the store's
+        # files (see load_value), so a cell writing them in place never changes a stored blob.
+        self.cells_in_process = cells_in_process
+        # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
+        self.store = blobs.BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
+                                     file_backed=cells_in_process)
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -126,14 +155,15 @@ class Replica:
         self._peers_mtime = 0
 
     @classmethod
-    def from_env(cls, key: bytes) -> "Replica | None":
+    def from_env(cls, key: bytes, *, cells_in_process: bool = False) -> "Replica | None":
         peers_file = os.environ.get("GPUHUB_PEERS_FILE")
         if not peers_file:
             return None
         settings = Settings.from_env()
         peers = read_peers(peers_file, settings.ready_timeout_s)
         replica = cls(int(os.environ.get("GPUHUB_REPLICA_ID", "0")), peers, key,
-                      os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings)
+                      os.environ.get("GPUHUB_JOURNAL_DIR") or None, settings,
+                      cells_in_process=cells_in_process)
         replica.watch_peers(peers_file)
         return replica
 
@@ -251,7 +281,7 @@ class Replica:
             small = len(data) <= self.settings.inline_max_bytes
             entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
             if not small:
-                self.store.put(d, data)
+                self._keep(d, data)
                 to_push[d] = data
                 if self.huge_pages:
                     cellchild.collapse_later(data)
@@ -264,7 +294,24 @@ class Replica:
         # The call returns when the leader applied it; wait until this replica did too.
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
-        return outcome.kind == "complete" and outcome.by == self.id, entries
+        won = outcome.kind == "complete" and outcome.by == self.id
+        if won:  # older values of the changed names are no one's any more (a sticky executor
+            self.store.retain(self._blob_digests())  # never follows, so it never dropped them)
+        return won, entries
+
+    def _keep(self, d: str, data) -> None:
+        """Store a value this replica produced. A layout written into a buffer from
+        :meth:`alloc_copy` is adopted, so once dropped it can take the next copy (already mapped
+        memory instead of a fresh gigabyte of page faults)."""
+        owner = data.obj if isinstance(data, memoryview) else data
+        if type(owner) is bytearray:
+            self.store.adopt(d, owner, memoryview(data).nbytes)
+        else:
+            self.store.put(d, data)
+
+    def alloc_copy(self, n: int) -> bytearray:
+        """Memory for the executor's copy of a changed value (see the module docstring)."""
+        return self.store.alloc(n, anonymous=True)
 
     # --- 3. the others ------------------------------------------------------------
     def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:
@@ -288,13 +335,45 @@ class Replica:
         if data is None:
             data = self.store.get(entry.digest)
             if data is None:
-                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest)
-                self.store.put(entry.digest, data)
-        value = pickle.loads(data)
+                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
+        if oob.is_layout(data):
+            value = oob.loads(data, self._buffer_source(entry.digest, data))
+        else:
+            value = pickle.loads(data)
         if self.huge_pages:
             cellchild.collapse_later(data)  # kept in the store: forked with the process too
             cellchild.collapse_later(value)
         return value
+
+    def _blob_digests(self, names: dict[str, NameEntry] | None = None) -> set[str]:
+        with self.state.changed:
+            names = dict(self.state.names) if names is None else names
+        return {e.digest for e in names.values() if e.inline is None}
+
+    def _buffer_source(self, d: str, data):
+        """Where a layout's buffers come from when this replica loads it (the aliasing rule, see
+        the module docstring): a copy-on-write mapping of the stored file when there is one;
+        otherwise a private copy, made without the GIL."""
+        view = memoryview(data).cast("B")
+        mapped_so_far = 0
+
+        def buffer_at(offset: int, length: int):
+            nonlocal mapped_so_far
+            # one mapping per buffer: bounded, as a process has at most vm.max_map_count of them
+            if length and self.store.file_backed and mapped_so_far < MAX_MAPPED_BUFFERS:
+                try:
+                    mapped = self.store.map_private(d, offset, length)
+                except OSError as exc:  # e.g. vm.max_map_count reached: copy instead
+                    log.warning("replica %d: cannot map a buffer of %s…: %s", self.id, d[:16], exc)
+                    mapped = None
+                if mapped is not None:
+                    mapped_so_far += 1
+                    return mapped
+            copy = bytearray(length)
+            oob.copy_into(memoryview(copy), view[offset:offset + length])
+            return copy
+
+        return buffer_at
 
     def sync_namespace(self, ns: dict, digests: dict[str, str], device_tags: dict[str, int],
                        force: set[str] = frozenset()) -> list[str]:
@@ -322,5 +401,5 @@ class Replica:
         for name in force:
             if name not in names:
                 ns.pop(name, None)
-        self.store.retain({e.digest for e in names.values() if e.inline is None})
+        self.store.retain(self._blob_digests(names))
         return failed

@@ -61,6 +61,11 @@ on the dev VM (its host takes freed pages back), so ``BlobStore(spare_bytes=…)
 buffers of dropped values for the next value of about that size (4.2 → 2.3 CPU-seconds for the
 push above).
 
+**Files.** ``BlobStore(file_backed=True)`` (CPU kernels' replicas) receives values of
+:data:`FILE_MIN` or more into a memfd, so that a value can be built on the received pages with
+private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/replication/oob.py): the
+stored bytes stay as received even when the value is written. Such files are never reused.
+
 Caller contract: values handed to :meth:`BlobStore.put` and :func:`push` must not be mutated
 afterwards (the store keeps a reference, not a copy).
 """
@@ -70,6 +75,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -77,12 +83,14 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Self
 
 __all__ = [
-    "CHUNK", "BlobError", "BlobServer", "BlobStore", "digest", "fetch", "push", "push_all",
+    "CHUNK", "BlobError", "BlobServer", "BlobStore", "digest", "fetch", "fill_and_digest", "push",
+    "push_all",
 ]
 
 CHUNK = 16 << 20
@@ -90,6 +98,8 @@ CHUNK = 16 << 20
 TAG = b"gpuhub-blob/1 sha256-tree 16MiB\0"
 MAX_BLOB = 64 << 30
 """Default cap on one value's length, in bytes (a header over it is refused)."""
+FILE_MIN = 1 << 20
+"""``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
 SOCK_BUF = 4 << 20
 """SO_SNDBUF/SO_RCVBUF asked for (Linux caps it at net.core.[rw]mem_max and doubles it)."""
 
@@ -162,6 +172,25 @@ def digest(data: bytes | bytearray | memoryview) -> str:
     return _root(n, leaves)
 
 
+def fill_and_digest(dest: bytearray | memoryview, write: Callable[[int, int], None]) -> str:
+    """The digest of ``dest`` while ``write(lo, hi)`` fills it, one :data:`CHUNK` at a time: each
+    chunk is hashed in the pool as soon as it is written, so filling and hashing overlap (both
+    without the GIL when ``write`` copies with numpy). Same result as ``digest`` afterwards."""
+    mv = _bytes_view(dest)
+    n = mv.nbytes
+    pool = _hash_pool()
+    futures: list[Future[bytes]] = []
+    try:
+        for i in range(0, n, CHUNK):
+            write(i, min(i + CHUNK, n))
+            futures.append(pool.submit(_leaf, mv[i:i + CHUNK]))
+        return _root(n, [f.result() for f in futures])
+    finally:
+        for f in futures:
+            f.cancel()
+        wait(futures)
+
+
 def _check_digest(d: str) -> bytes:
     raw = d.encode("ascii", "replace") if isinstance(d, str) else b""
     if not _HEX64.fullmatch(raw):
@@ -170,6 +199,26 @@ def _check_digest(d: str) -> bytes:
 
 
 # --- store ---------------------------------------------------------------------------------------
+class _FileBuffer(mmap.mmap):
+    """A shared, writable mapping of a memfd of its own; ``fd`` stays open while it lives, so
+    that parts of it can be mapped again privately (:meth:`BlobStore.map_private`)."""
+
+    fd: int
+
+    @classmethod
+    def create(cls, n: int) -> _FileBuffer:
+        fd = os.memfd_create("gpuhub-blob", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, n)
+            buf = cls(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        buf.fd = fd
+        weakref.finalize(buf, os.close, fd)
+        return buf
+
+
 class BlobStore:
     """Thread-safe in-memory map ``digest -> bytes-like``.
 
@@ -181,10 +230,17 @@ class BlobStore:
     memory that is already mapped, instead of page-faulting a fresh gigabyte (0.2 s/GiB on bare
     metal, about 0.8 s/GiB in a VM that hands freed memory back to its host). The price is that
     much extra resident memory per replica, so it is off by default.
+
+    With ``file_backed``, :meth:`alloc` puts values of at least :data:`FILE_MIN` bytes in a memfd
+    (an anonymous in-memory file) mapped shared, and :meth:`map_private` maps a page-aligned part
+    of a stored one copy-on-write: the mapping shares the stored pages until someone writes to
+    it, then that page becomes private, so the stored bytes never change. Such buffers are never
+    kept as spares (a private mapping of a reused file would see the new value's bytes).
     """
 
-    def __init__(self, spare_bytes: int = 0) -> None:
+    def __init__(self, spare_bytes: int = 0, *, file_backed: bool = False) -> None:
         self.spare_bytes = spare_bytes
+        self.file_backed = file_backed
         self._blobs: dict[str, bytes | bytearray | memoryview] = {}
         self._owned: dict[str, int] = {}  # digest -> length, for buffers from alloc()
         self._spares: list[bytearray] = []
@@ -200,18 +256,26 @@ class BlobStore:
                 self._blobs[d] = data
                 self._nbytes += size
 
-    def alloc(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes (a spare when one fits within n + n/4) to receive a
-        value into, then :meth:`adopt` or :meth:`recycle`. Raises MemoryError."""
-        with self._lock:
-            fits = [b for b in self._spares if n <= len(b) <= n + n // 4]
-            if fits:
-                buf = min(fits, key=len)
-                self._spares = [b for b in self._spares if b is not buf]
-                return buf
-        return bytearray(n)
+    def alloc(self, n: int, *, anonymous: bool = False) -> bytearray | _FileBuffer:
+        """A buffer of at least ``n`` bytes to receive a value into, then :meth:`adopt` or
+        :meth:`recycle`: a spare when one fits within n + n/4; in a file-backed store, a new memfd
+        for a value of :data:`FILE_MIN` or more, unless ``anonymous`` (for a value this process
+        writes itself, that it never maps copy-on-write). Raises MemoryError."""
+        to_file = self.file_backed and n >= FILE_MIN and not anonymous
+        if not to_file:
+            with self._lock:
+                fits = [b for b in self._spares if n <= len(b) <= n + n // 4]
+                if fits:
+                    buf = min(fits, key=len)
+                    self._spares = [b for b in self._spares if b is not buf]
+                    return buf
+            return bytearray(n)
+        try:
+            return _FileBuffer.create(n)
+        except OSError as e:
+            raise MemoryError(f"no memfd for {n} bytes: {e}") from None
 
-    def adopt(self, d: str, buf: bytearray, n: int) -> None:
+    def adopt(self, d: str, buf: bytearray | _FileBuffer, n: int) -> None:
         """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
         with self._lock:
             if d not in self._blobs:
@@ -220,14 +284,14 @@ class BlobStore:
                 return
         self.recycle(buf)  # someone stored the same value meanwhile
 
-    def recycle(self, buf: bytearray) -> None:
+    def recycle(self, buf: bytearray | _FileBuffer) -> None:
         """Give back a buffer from :meth:`alloc` that was not adopted."""
         with self._lock:
             self._spare(buf, 4)  # the caller's variable, ours, _spare's, getrefcount's
 
     def _spare(self, buf: bytearray, refs: int) -> None:
         # ``refs``: the references the caller's frames hold; more means a view is still alive
-        if (sys.getrefcount(buf) <= refs
+        if (type(buf) is bytearray and sys.getrefcount(buf) <= refs
                 and sum(map(len, self._spares)) + len(buf) <= self.spare_bytes):
             self._spares.append(buf)
 
@@ -238,6 +302,16 @@ class BlobStore:
             if n is None:
                 return data
             return memoryview(data)[:n].toreadonly()  # made under the lock: see _spare
+
+    def map_private(self, d: str, offset: int, length: int) -> mmap.mmap | None:
+        """A writable copy-on-write mapping of ``length`` bytes at ``offset`` (a multiple of the
+        page size) of the stored value ``d``, or None when that value is not file-backed."""
+        with self._lock:  # under the lock: retain() may drop the file meanwhile
+            buf = self._blobs.get(d)
+            if type(buf) is not _FileBuffer or offset + length > self._owned[d]:
+                return None
+            return mmap.mmap(buf.fd, length, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
 
     def has(self, d: str) -> bool:
         with self._lock:

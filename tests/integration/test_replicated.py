@@ -3,19 +3,23 @@ the router and a real jupyter_client client (issue: Raft-replicated kernels)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.devcluster import DevCluster, DevKernel, current_user
+from gpuhub.replication import blobs, oob
 from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run
 
 
@@ -309,3 +313,70 @@ def test_replica_dead_on_a_live_node_is_replaced(tmp_path):
         if kernel is not None:
             kernel.close()
         cluster.stop()
+
+
+def _blob_addrs(pid: int) -> dict[int, str]:
+    _, env, _ = _restartable(pid)
+    doc = json.loads(Path(env["GPUHUB_PEERS_FILE"]).read_text())
+    return {int(r["id"]): r["blob"] for r in doc["replicas"]}
+
+
+def _memfd_maps_at_least(pid: int, nbytes: int) -> bool:
+    """Whether ``pid`` maps at least ``nbytes`` of blob-store memfds (shared or private)."""
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "memfd:gpuhub-blob" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            total += hi - lo
+    return total >= nbytes
+
+
+def _layout_digest(value) -> str:
+    return blobs.digest(oob.dumps(value).to_bytes())
+
+
+def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_kernel):
+    """Followers load a large array copy-on-write from their blob store's memfd (no copy under
+    the GIL). Whoever writes such an array in place — the executor its own value, or a follower
+    that became the executor — the blob stored under its old digest keeps its bytes: a peer
+    fetching that digest gets them, verified. (``twin`` and ``triplet`` start with the same bytes
+    as ``big``, so that digest stays in the group's namespace after ``big`` changes.)"""
+    n = 4_000_000  # 32 MB of float64: out of band
+    ok(cpu_kernel, f"import numpy as np\nbig = np.arange({n}, dtype=np.float64)\n"
+                   "twin = big.copy()\ntriplet = big.copy()")
+    node = executor_node(cpu_kernel)
+    executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    followers = [r["id"] for r in cpu_kernel.record["replicas"] if r["id"] != executor]
+    for rid in followers:  # the store's shared mapping and the values' private ones, same memfd
+        eventually(partial(_memfd_maps_at_least, cpu_kernel.pid(rid), 4 * n * 8), 20,
+                   f"replica {rid} mapping the arrays")
+    key = cpu_kernel.key.encode()
+    addrs = _blob_addrs(cpu_kernel.pid(executor))
+    original = np.arange(n, dtype=np.float64)
+    d0 = _layout_digest(original)
+
+    ok(cpu_kernel, "big += 1")  # the executor writes its own value in place
+    assert np.array_equal(oob.loads(blobs.fetch([addrs[executor]], key, d0)), original)
+
+    # The executor is lost: a follower that loaded `twin` copy-on-write runs the next cells.
+    pid = cpu_kernel.pid(executor)
+    cmd, env, cwd = _restartable(pid)
+    os.kill(pid, signal.SIGKILL)
+    ok(cpu_kernel, "twin += 1", timeout=30)
+    node = executor_node(cpu_kernel)
+    second = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    assert second in followers
+    got = blobs.fetch([addrs[second]], key, d0)  # verified: the in-place write left it intact
+    assert np.array_equal(oob.loads(got), original)
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # the restarted replica fetches the current values from its peers
+        eventually(lambda: assert_equal_namespaces(cpu_kernel, ["big", "twin", "triplet"]), 60,
+                   "the restarted replica holding the group's arrays")
+        out = ok(cpu_kernel, "print(float(big[0]), float(twin[-1]), float(triplet[1]), "
+                             "big.flags.writeable)")
+        assert out["stdout"].split() == ["1.0", str(float(n)), "1.0", "True"]
+    finally:
+        proc.kill()
+        proc.wait(10)
