@@ -399,4 +399,7 @@ class Scheduler:
             if all(r.state in DEAD_UNIT_STATES for r in rec.replicas):
                 log.info("reconcile: kernel %s has no running replica left; forgetting it", kid)
                 del self.kernels[kid]
+                for r in rec.replicas:  # or the next round would find its failed units and adopt them
+                    if r.state != "gone" and self.node_live(r.node):
+                        await self._stop_replica(r)
         self.save()

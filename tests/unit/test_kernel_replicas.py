@@ -19,7 +19,9 @@ import uuid
 import pytest
 
 from gpuhub.agent.units import ProcessRunner
+from gpuhub.config import SchedulerConfig
 from gpuhub.devcluster import SchedulerProcess, current_user
+from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
 
 JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
@@ -314,6 +316,27 @@ def test_scheduler_all_or_nothing_when_a_node_fails(cluster):
         journals = agent.dir / "state" / "journals"
         assert not journals.exists() or list(journals.iterdir()) == []
     assert dev.scheduler_call("GET", f"/api/v1/kernels/{kid}")[0] == 404
+
+
+async def test_reconcile_forgets_a_kernel_whose_replicas_all_died_and_stops_their_units(make_agent, tmp_path):
+    a = make_agent("n1", gpus=0)
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path / "sched")), agent_token=a.token)
+    s.heartbeat({"node": "n1", "url": a.url})
+    units = [start_unit(a, f"gpuhub-kernel-k1-r{i}", replica_id=i) for i in range(3)]
+    s.kernels["k1"] = KernelRecord("k1", current_user(), 0, key="k", replicas=[
+        ReplicaRecord("n1", u["name"], u["connection"], id=i) for i, u in enumerate(units)])
+    for u in units:  # the whole group dies (e.g. every node rebooted); the units stay listed, failed
+        os.kill(a.call("GET", f"/api/v1/units/{u['name']}")[1]["main_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(a.call("GET", f"/api/v1/units/{u['name']}")[1]["state"] != "failed" for u in units):
+        assert time.monotonic() < deadline, "the agent never saw the units fail"
+        time.sleep(0.1)
+    await s.reconcile()
+    assert "k1" not in s.kernels
+    for u in units:
+        assert a.call("GET", f"/api/v1/units/{u['name']}")[0] == 404
+    await s.reconcile()  # nothing left to adopt again
+    assert s.kernels == {}
 
 
 def test_books_written_before_replica_ids_still_load(tmp_path):
