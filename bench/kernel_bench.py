@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jupyter_client import BlockingKernelClient, KernelManager
 
-from gpuhub.devcluster import AgentProcess, current_user
+from gpuhub.dev.cluster import AgentProcess, current_user
 
 CELLS = 200
 WARMUP = 10

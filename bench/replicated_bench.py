@@ -33,7 +33,7 @@ from pathlib import Path
 from jupyter_client import BlockingKernelClient, KernelManager
 
 from bench.kernel_bench import pct
-from gpuhub.devcluster import DevCluster, DevKernel
+from gpuhub.dev.cluster import DevCluster, DevKernel
 
 CELLS = 200
 WARMUP = 20

@@ -1,10 +1,10 @@
-"""Shared fixtures: real gpuhub daemons on 127.0.0.1 (see gpuhub.devcluster)."""
+"""Shared fixtures: real gpuhub daemons on 127.0.0.1 (see gpuhub.dev.cluster)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuhub.devcluster import AgentProcess, DevCluster, SchedulerProcess, current_user  # noqa: F401
+from gpuhub.dev.cluster import AgentProcess, DevCluster, SchedulerProcess, current_user  # noqa: F401
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
-from gpuhub.web import ApiError, JsonHandler, bearer_token, field, tokens_equal
+from gpuhub.platform.http_server import ApiError, JsonHandler, bearer_token, field, tokens_equal
 
 
 class AgentHandler(JsonHandler):

@@ -13,7 +13,7 @@ from tornado.httpserver import HTTPServer
 from gpuhub.agent.api import make_app
 from gpuhub.agent.service import Agent
 from gpuhub.config import ConfigError, load_agent_config, read_secret
-from gpuhub.web import ApiClientError, call_json
+from gpuhub.platform.http_client import ApiClientError, call_json
 
 log = logging.getLogger("gpuhub.agent")
 

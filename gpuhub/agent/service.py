@@ -22,7 +22,6 @@ from pathlib import Path
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
 from gpuhub.config import AgentConfig
-from gpuhub.gpus.fake import FakeInventory
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 
 log = logging.getLogger(__name__)
@@ -169,7 +168,7 @@ class Agent:
         for u in self.units.values():
             if u.kind == "kernel":
                 self.book.place(u.name, u.gpus)
-        self._sync_fake()
+        self._leases_changed()
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
 
@@ -206,10 +205,9 @@ class Agent:
             self._gpu_cache = (now, self.inventory.gpus())
         return self._gpu_cache[1]
 
-    def _sync_fake(self) -> None:
-        if isinstance(self.inventory, FakeInventory):
-            self.inventory.mark_busy(self.book.busy)
-            self._gpu_cache = (0.0, [])
+    def _leases_changed(self) -> None:
+        self.inventory.leases_changed(self.book.busy)
+        self._gpu_cache = (0.0, [])
 
     def node_info(self) -> dict:
         return {
@@ -366,7 +364,7 @@ class Agent:
         self.units.pop(name, None)
         self.book.unplace(name)
         self.book.release_holder(name)
-        self._sync_fake()
+        self._leases_changed()
 
     async def unit_status(self, name: str) -> dict | None:
         u = self.units.get(name)
@@ -399,7 +397,7 @@ class Agent:
         lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid)
         self.counters["granted" if lease else "refused"] += 1
         if lease:
-            self._sync_fake()
+            self._leases_changed()
             self.save()
         return lease
 
@@ -409,7 +407,7 @@ class Agent:
             return False  # idempotent; and a unit can only release its own leases
         self.book.release(lease_id)
         self.counters["released"] += 1
-        self._sync_fake()
+        self._leases_changed()
         self.save()
         return True
 
@@ -430,6 +428,6 @@ class Agent:
             self.counters["expired"] += len(gone)
             for lease in gone:
                 log.warning("lease %s of %s expired (holder gone)", lease.lease_id, lease.holder)
-            self._sync_fake()
+            self._leases_changed()
             self.save()
         return gone

@@ -1,7 +1,7 @@
 """Fake GPUs described in the agent's config: the same interface as the NVML backend.
 
 Nothing executes on them. Memory and utilisation readings follow the leases the agent reports
-(``mark_busy``), so dashboards and tests see a GPU "working" while a cell holds it.
+(``leases_changed``), so dashboards and tests see a GPU "working" while a cell holds it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import uuid as uuidlib
 
-from gpuhub.gpus.inventory import GpuConfigError, GpuInfo
+from gpuhub.gpus.base import GpuConfigError, GpuInfo
 
 MIB = 1024 * 1024
 
@@ -50,7 +50,7 @@ class FakeInventory:
         self._specs[index]  # IndexError for a GPU that does not exist
         return []  # no device node to allow for a fake GPU
 
-    def mark_busy(self, indices: set[int]) -> None:
+    def leases_changed(self, indices: set[int]) -> None:
         self._busy = set(indices)
 
     def gpus(self) -> list[GpuInfo]:

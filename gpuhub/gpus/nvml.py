@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from gpuhub.gpus.inventory import GpuInfo, GpuProcess
+from gpuhub.gpus.base import GpuInfo, GpuProcess
 
 
 class NvmlUnavailable(RuntimeError):
@@ -33,6 +33,9 @@ class NvmlInventory:
     def device_paths(self, index: int) -> list[str]:
         minor = self._nvml.nvmlDeviceGetMinorNumber(self._nvml.nvmlDeviceGetHandleByIndex(index))
         return [f"/dev/nvidia{minor}"]
+
+    def leases_changed(self, leased: set[int]) -> None:
+        pass  # NVML reads the GPUs' real use
 
     def gpus(self) -> list[GpuInfo]:
         nv = self._nvml

@@ -16,7 +16,7 @@ from batchspawner import BatchSpawnerBase, JobStatus
 from traitlets import Dict, List, Unicode, default
 
 from gpuhub.config import read_secret
-from gpuhub.web import ApiClientError, call_json
+from gpuhub.platform.http_client import ApiClientError, call_json
 
 DEFAULT_PROFILES = [
     {"name": "cpu", "display": "CPU only", "gpus": 0},

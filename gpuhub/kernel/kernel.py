@@ -5,7 +5,7 @@ A kernel started with a peers file is one replica of a Raft group (gpuhub/kernel
 every cell first elects its executor, only the executor runs it, the others load what it changed.
 
 Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_replicated` (election)
-→ :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.cellchild.run`.
+→ :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.child.run`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import time
 
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import cellchild
-from gpuhub.kernel.grants import GrantClient, GrantError
+from gpuhub.kernel import child, hugepages
+from gpuhub.kernel.delta import namespace_delta
+from gpuhub.replication.blobs import digest
+from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
@@ -53,9 +55,9 @@ class GpuhubKernel(IPythonKernel):
         super().__init__(**kwargs)
         self.gpus = int(os.environ.get("GPUHUB_KERNEL_GPUS", "0") or 0)
         self.grant_timeout_s = float(os.environ.get("GPUHUB_GRANT_TIMEOUT_S", "300"))
-        self.grants = GrantClient.from_env()
+        self.lease_client = LeaseClient.from_env()
         # A GPU cell's process exits and its grant ends after the reply (gpuhub/kernel/reaper.py).
-        self.reaper = CellReaper(self.grants.release if self.grants else lambda grant: None)
+        self.reaper = CellReaper(self.lease_client.release if self.lease_client else lambda grant: None)
         self._child_pid: int | None = None
         self._interrupted = threading.Event()
         self._digests: dict[str, str] = {}
@@ -65,7 +67,7 @@ class GpuhubKernel(IPythonKernel):
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         if self.gpus > 0:
-            cellchild.warm_up(self.shell)  # every GPU cell's child starts from these caches
+            child.warm_up(self.shell)  # every GPU cell's child starts from these caches
         self.replica = Replica.from_env(self.session.key, cells_in_process=self.gpus == 0)
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
@@ -141,7 +143,7 @@ class GpuhubKernel(IPythonKernel):
             decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
             self._phases = {"reap": reaped - asked, "grant": granted - reaped, "elect": time.monotonic() - granted}
             if grant is not None and decision.executor != rep.id:
-                self.grants.release(grant)  # losers give their tentative grant back at once
+                self.lease_client.release(grant)  # losers give their tentative grant back at once
             if decision.outcome is not None:  # this replica is late: the cell already ended
                 return self._follow(decision.outcome)
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
@@ -177,11 +179,11 @@ class GpuhubKernel(IPythonKernel):
     def _try_grant(self):
         if self.gpus == 0:
             return None
-        if self.grants is None:
+        if self.lease_client is None:
             return None
         try:
-            return self.grants.try_grant(self.gpus)
-        except GrantError as exc:
+            return self.lease_client.try_grant(self.gpus)
+        except LeaseError as exc:
             log.warning("asking the agent for GPUs failed: %s", exc)
             return None
 
@@ -199,7 +201,7 @@ class GpuhubKernel(IPythonKernel):
                                                   cell_meta=cell_meta, cell_id=cell_id)
             finally:
                 self._running_here = False
-            delta = cellchild.namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True,
+            delta = namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True,
                                               alloc=rep.alloc_copy)
             self._warn_unreplicable(delta["failed"])
         else:
@@ -268,16 +270,16 @@ class GpuhubKernel(IPythonKernel):
 
     def _execute_in_child(self, code: str, silent: bool, store_history: bool, user_expressions: dict) -> dict:
         shell = self.shell
-        if self.grants is None:
+        if self.lease_client is None:
             return self._error_reply("GpuhubError", "this GPU kernel has no GPU agent to ask (GPUHUB_AGENT_URL unset)")
         self._interrupted.clear()
         asked = time.monotonic()
         self.reaper.wait()  # the previous cell's grant must be back before this one asks
         reaped = time.monotonic()
         try:
-            grant = self.grants.acquire(self.gpus, self.grant_timeout_s, on_wait=sys.stderr.write,
+            grant = self.lease_client.acquire(self.gpus, self.grant_timeout_s, on_wait=sys.stderr.write,
                                         cancelled=self._interrupted.is_set)
-        except GrantError as exc:
+        except LeaseError as exc:
             return self._error_reply(type(exc).__name__, str(exc))
         granted = time.monotonic()
         self._phases = {"reap": reaped - asked, "grant": granted - reaped}
@@ -312,7 +314,7 @@ class GpuhubKernel(IPythonKernel):
             try:
                 os.close(out_r)
                 os.close(in_w)
-                cellchild.run(shell, code, silent=silent, store_history=store_history,
+                child.run(shell, code, silent=silent, store_history=store_history,
                               user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
                               digests=self._digests, device_tags=self._device_tags, hidden=hidden)
             except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
@@ -398,8 +400,8 @@ class GpuhubKernel(IPythonKernel):
                 sys.stderr.write(f"[gpuhub] warning: variable {name!r} could not be restored "
                                  f"after the GPU cell ({type(exc).__name__}: {exc}); it keeps its old value\n")
                 continue
-            cellchild.collapse_later(ns[name])  # the next GPU cell's fork copies fewer page-table entries
-            self._digests[name] = delta.get("digests", {}).get(name) or cellchild.digest(data)
+            hugepages.collapse_later(ns[name])  # the next GPU cell's fork copies fewer page-table entries
+            self._digests[name] = delta.get("digests", {}).get(name) or digest(data)
             if name in delta["device_tags"]:
                 self._device_tags[name] = delta["device_tags"][name]
             else:

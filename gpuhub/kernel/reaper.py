@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from gpuhub.kernel.grants import Grant
+from gpuhub.kernel.lease_client import Lease
 
 log = logging.getLogger("gpuhub.kernel")
 
@@ -25,14 +25,14 @@ class CellReaper:
     """One worker thread, started on first use (starting a thread per cell costs the reply a
     scheduling round trip on a busy machine); at most one cell's end in flight."""
 
-    def __init__(self, release: Callable[[Grant], None]) -> None:
+    def __init__(self, release: Callable[[Lease], None]) -> None:
         self._release = release
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._worker: threading.Thread | None = None
 
-    def end_later(self, cell: str, pid: int | None, grant: Grant | None) -> None:
+    def end_later(self, cell: str, pid: int | None, grant: Lease | None) -> None:
         """Reap ``pid`` (None: already reaped), then release ``grant``, on the worker thread."""
         self.wait()  # one at a time, so that cells end in their order
         self._idle.clear()
@@ -55,7 +55,7 @@ class CellReaper:
             finally:
                 self._idle.set()
 
-    def _end(self, cell: str, pid: int | None, grant: Grant | None, handed_over: float) -> None:
+    def _end(self, cell: str, pid: int | None, grant: Lease | None, handed_over: float) -> None:
         if pid is not None:
             try:
                 os.waitpid(pid, 0)

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuhub.kernel import cellchild
+from gpuhub.kernel import hugepages
 from gpuhub.replication import blobs, oob
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
@@ -149,7 +149,7 @@ class Replica:
         self.interrupted = threading.Event()
         self._closing = threading.Event()
         # GPU kernels fork for every cell: large values and their pickles go to 2 MiB pages so the
-        # fork stays cheap (cellchild.collapse_later). CPU kernels never fork.
+        # fork stays cheap (hugepages.collapse_later). CPU kernels never fork.
         self.huge_pages = False
         self._peers_file: str | None = None
         self._peers_mtime = 0
@@ -284,7 +284,7 @@ class Replica:
                 self._keep(d, data)
                 to_push[d] = data
                 if self.huge_pages:
-                    cellchild.collapse_later(data)
+                    hugepages.collapse_later(data)
         if to_push:
             # Best effort: a replica that missed a blob fetches it from a peer when it applies.
             for addr, err in blobs.push_all(self.other_blob_addrs(), self.key, to_push).items():
@@ -341,8 +341,8 @@ class Replica:
         else:
             value = pickle.loads(data)
         if self.huge_pages:
-            cellchild.collapse_later(data)  # kept in the store: forked with the process too
-            cellchild.collapse_later(value)
+            hugepages.collapse_later(data)  # kept in the store: forked with the process too
+            hugepages.collapse_later(value)
         return value
 
     def _blob_digests(self, names: dict[str, NameEntry] | None = None) -> set[str]:

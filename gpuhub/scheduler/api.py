@@ -11,7 +11,8 @@ from tornado.web import Application
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import Scheduler
-from gpuhub.web import ApiClientError, ApiError, JsonHandler, bearer_token, field, tokens_equal
+from gpuhub.platform.http_client import ApiClientError
+from gpuhub.platform.http_server import ApiError, JsonHandler, bearer_token, field, tokens_equal
 
 log = logging.getLogger(__name__)
 

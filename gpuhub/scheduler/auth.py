@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from gpuhub.web import ApiClientError, call_json, tokens_equal
+from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.platform.http_server import tokens_equal
 
 
 class HubUserResolver:

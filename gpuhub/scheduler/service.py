@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpuhub.config import SchedulerConfig
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
-from gpuhub.web import ApiClientError, call_json
+from gpuhub.platform.http_client import ApiClientError, call_json
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from jupyter_client import BlockingKernelClient
 
-from gpuhub.devcluster import current_user
+from gpuhub.dev.cluster import current_user
 
 
 def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1, env=None):

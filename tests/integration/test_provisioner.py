@@ -10,7 +10,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-from gpuhub.kernel.kernelspecs import install
+from gpuhub.admin.kernelspecs import install
 
 
 @pytest.fixture

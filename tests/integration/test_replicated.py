@@ -18,7 +18,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
-from gpuhub.devcluster import DevCluster, DevKernel, current_user
+from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
 from gpuhub.replication import blobs, oob
 from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run
 

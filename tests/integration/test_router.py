@@ -21,7 +21,7 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 from jupyter_client.session import Session
 
-from gpuhub.kernel.router import KernelRouter
+from gpuhub.server.router import KernelRouter
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
 # answers late, so a router that took the first reply would pick a follower's.
@@ -266,7 +266,7 @@ async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
     sock.linger = 0
     sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
     try:
-        with caplog.at_level(logging.WARNING, logger="gpuhub.kernel.router"):
+        with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
             await sock.send_multipart(forger.serialize(forger.msg("kernel_info_request")))
             await sock.send_multipart([b"no delimiter at all"])
             assert not await sock.poll(700)  # nothing came back: it never reached a replica
@@ -282,7 +282,7 @@ async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
 async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(routed, replicas,
                                                                              caplog):
     router, info, kc = routed
-    caplog.set_level(logging.INFO, logger="gpuhub.kernel.router")
+    caplog.set_level(logging.INFO, logger="gpuhub.server.router")
     assert await _hb_answered(info["hb_port"])
 
     replicas.kill(0)

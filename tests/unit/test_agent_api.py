@@ -9,7 +9,7 @@ import pytest
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.config import ConfigError, load_agent_config
-from gpuhub.devcluster import current_user
+from gpuhub.dev.cluster import current_user
 from tests.integration.test_gpu_cells import connect, run
 
 

@@ -17,7 +17,9 @@ import warnings
 import numpy as np
 import pytest
 
-from gpuhub.kernel import cellchild, dirty
+from gpuhub.kernel import dirty, hugepages
+from gpuhub.kernel.delta import namespace_delta
+from gpuhub.replication.blobs import digest
 
 MIB = 1 << 20
 MODES = {"cow": {"forked": True, "soft_dirty": False}}
@@ -238,10 +240,10 @@ def delta_in_child(ns, digests, cell, use_tracker):
         tracker = dirty.Tracker.arm(ns, [k for k in ns if k in digests], forked=True) if use_tracker else None
         assert (tracker is not None) == use_tracker
         cell(ns)
-        d = cellchild.namespace_delta(ns, before, digests, set(), tracker=tracker)
+        d = namespace_delta(ns, before, digests, set(), tracker=tracker)
         # digests it computed travel with the delta (the commit does not hash again), and are right
         assert set(d["digests"]) <= set(d["set"])
-        assert all(cellchild.digest(d["set"][k]) == v for k, v in d["digests"].items())
+        assert all(digest(d["set"][k]) == v for k, v in d["digests"].items())
         return sorted(d["set"]), d["deleted"]
     return in_child(child)
 
@@ -252,7 +254,7 @@ def test_namespace_delta_sends_exactly_what_changed(use_tracker):
 
     ns = {"big": big_array(), "kept": big_array(), "raw": bytearray(2 * MIB), "gone": big_array(2),
           "items": [1, 2]}
-    digests = {k: cellchild.digest(cloudpickle.dumps(v, protocol=5)) for k, v in ns.items()}
+    digests = {k: digest(cloudpickle.dumps(v, protocol=5)) for k, v in ns.items()}
 
     def cell(ns):
         ns["big"][-1] += 1
@@ -332,9 +334,9 @@ def test_prefer_huge_pages_keeps_the_bytes(kind):
     value = {"ndarray": arr, "bytes": arr.tobytes(), "bytearray": bytearray(arr.tobytes()),
              "memoryview": memoryview(bytearray(arr.tobytes()))[: 32 * MIB].toreadonly()}[kind]
     before = bytes(memoryview(value)[:4096]), bytes(memoryview(value)[-4096:])
-    done = cellchild.prefer_huge_pages(value)
+    done = hugepages.prefer_huge_pages(value)
     assert (bytes(memoryview(value)[:4096]), bytes(memoryview(value)[-4096:])) == before
     if done and kind == "ndarray":
         assert _anon_huge_kib(arr.ctypes.data, arr.nbytes) >= 32 * 1024
-    assert cellchild.prefer_huge_pages(np.ones(1000)) is False  # small: left alone
-    assert cellchild.prefer_huge_pages([1, 2]) is False
+    assert hugepages.prefer_huge_pages(np.ones(1000)) is False  # small: left alone
+    assert hugepages.prefer_huge_pages([1, 2]) is False

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuhub.gpus.fake import FakeInventory, fake_uuid
-from gpuhub.gpus.inventory import GpuConfigError, NoGpus, open_inventory
+from gpuhub.gpus.base import GpuConfigError, NoGpus
+from gpuhub.gpus.inventory import open_inventory
 from gpuhub.gpus.nvml import NvmlInventory, NvmlUnavailable
 
 
@@ -25,7 +26,7 @@ def test_fake_inventory_shape():
     assert len({g.uuid for g in gpus}) == 2
     assert fake_uuid("gpu2", 0) != gpus[0].uuid  # unique across nodes
     assert gpus[0].memory_total_bytes == 40960 * 1024 * 1024
-    inv.mark_busy({1})
+    inv.leases_changed({1})
     assert inv.gpus()[1].utilization_percent == 100 and inv.gpus()[0].utilization_percent == 0
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.config import SchedulerConfig
-from gpuhub.devcluster import SchedulerProcess, current_user
+from gpuhub.dev.cluster import SchedulerProcess, current_user
 from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
 
 JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")

@@ -213,7 +213,7 @@ def test_executor_copies_are_anonymous_and_reused_received_values_get_a_fresh_fi
 
 
 def test_pickle_value_writes_into_a_larger_reused_buffer_and_hashes_what_it_wrote():
-    from gpuhub.kernel.cellchild import pickle_value
+    from gpuhub.kernel.delta import pickle_value
 
     value = np.arange(MIB, dtype=np.uint8)
     spare = bytearray(b"\xff" * (oob.dumps(value).nbytes + 100))

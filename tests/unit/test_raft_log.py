@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpuhub.devcluster import free_port
+from gpuhub.dev.cluster import free_port
 from gpuhub.replication.log import NameEntry, RaftGroup, RaftUnavailable, raft_password
 
 KEY = b"kernel-connection-key"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from gpuhub.kernel.grants import Grant
+from gpuhub.kernel.lease_client import Lease
 from gpuhub.kernel.reaper import CellReaper
 
 
@@ -44,7 +44,7 @@ def test_a_failing_release_does_not_stop_the_next_cells():
             raise RuntimeError("agent gone")
 
     reaper = CellReaper(release)
-    reaper.end_later("cell-1", None, Grant("bad", "n", []))
-    reaper.end_later("cell-2", lingering_child(0.1), Grant("good", "n", []))  # after cell-1's end
+    reaper.end_later("cell-1", None, Lease("bad", "n", []))
+    reaper.end_later("cell-2", lingering_child(0.1), Lease("good", "n", []))  # after cell-1's end
     assert reaper.wait(5)
     assert calls == ["bad", "good"]

@@ -16,20 +16,20 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 
-class GrantError(RuntimeError):
+class LeaseError(RuntimeError):
     """The agent could not be asked, or refused for a reason waiting will not fix."""
 
 
-class GrantTimeout(GrantError):
+class LeaseTimeout(LeaseError):
     pass
 
 
-class GrantCancelled(GrantError):
+class LeaseCancelled(LeaseError):
     pass
 
 
 @dataclass
-class Grant:
+class Lease:
     lease_id: str
     node: str
     uuids: list[str]
@@ -134,7 +134,7 @@ class _WriteFailed(Exception):
         self.cause = cause
 
 
-class GrantClient:
+class LeaseClient:
     def __init__(self, agent_url: str, token: str, node: str = "") -> None:
         self.agent_url = agent_url.rstrip("/")
         self.token = token
@@ -142,7 +142,7 @@ class GrantClient:
         self.connection = AgentConnection(self.agent_url)
 
     @classmethod
-    def from_env(cls) -> GrantClient | None:
+    def from_env(cls) -> LeaseClient | None:
         url, token = os.environ.get("GPUHUB_AGENT_URL"), os.environ.get("GPUHUB_LEASE_TOKEN")
         if not url or not token:
             return None
@@ -154,7 +154,7 @@ class GrantClient:
         try:
             status, raw = self.connection.request(method, path, data, headers)
         except (OSError, http.client.HTTPException) as exc:
-            raise GrantError(f"cannot reach the GPU agent of node {self.node or '?'} at {self.agent_url}: "
+            raise LeaseError(f"cannot reach the GPU agent of node {self.node or '?'} at {self.agent_url}: "
                              f"{exc or type(exc).__name__}") from None
         try:
             payload = json.loads(raw or b"{}")
@@ -162,17 +162,17 @@ class GrantClient:
             payload = {"error": f"HTTP {status}"}
         return status, payload if isinstance(payload, dict) else {"error": f"HTTP {status}"}
 
-    def try_grant(self, gpus: int) -> Grant | None:
+    def try_grant(self, gpus: int) -> Lease | None:
         status, body = self._call("POST", "/api/v1/leases", {"gpus": gpus, "holder_pid": os.getpid()})
         if status == 200:
-            return Grant(body["lease_id"], body.get("node", self.node), [g["uuid"] for g in body["gpus"]])
+            return Lease(body["lease_id"], body.get("node", self.node), [g["uuid"] for g in body["gpus"]])
         if status == 409:
             return None
-        raise GrantError(f"the GPU agent refused the lease: {body.get('error', status)}")
+        raise LeaseError(f"the GPU agent refused the lease: {body.get('error', status)}")
 
     def acquire(self, gpus: int, timeout_s: float, on_wait: Callable[[str], None],
-                cancelled: Callable[[], bool] = lambda: False) -> Grant:
-        """Grant now, or wait (bounded) telling the user why; never a silent hang."""
+                cancelled: Callable[[], bool] = lambda: False) -> Lease:
+        """A lease now, or wait (bounded) telling the user why; never a silent hang."""
         start = time.monotonic()
         delay, told = 0.05, 0.0
         while True:
@@ -181,21 +181,21 @@ class GrantClient:
                 return grant
             waited = time.monotonic() - start
             if waited >= timeout_s:
-                raise GrantTimeout(f"no GPU became free on node {self.node} within {timeout_s:g} s")
+                raise LeaseTimeout(f"no GPU became free on node {self.node} within {timeout_s:g} s")
             if told == 0.0 or waited - told >= 30:
                 on_wait(f"[gpuhub] waiting for {gpus} GPU(s) on {self.node} (all busy; waited {waited:.0f} s)…\n")
                 told = waited or 1e-9
             if cancelled():
-                raise GrantCancelled("interrupted while waiting for a GPU")
+                raise LeaseCancelled("interrupted while waiting for a GPU")
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def release(self, grant: Grant) -> None:
+    def release(self, grant: Lease) -> None:
         for attempt in range(3):
             try:
                 self._call("DELETE", f"/api/v1/leases/{grant.lease_id}")
                 return
-            except GrantError:
+            except LeaseError:
                 time.sleep(0.2 * (attempt + 1))
         # The agent expires leases of dead holders; a live holder retries at the next cell.
 

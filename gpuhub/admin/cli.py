@@ -11,7 +11,7 @@ from gpuhub.config import ConfigError, load_scheduler_config, read_secret
 
 
 def cmd_kernelspecs(args) -> int:
-    from gpuhub.kernel.kernelspecs import install, parse_profile
+    from gpuhub.admin.kernelspecs import install, parse_profile
 
     try:
         profiles = [parse_profile(p) for p in args.profile]
@@ -30,7 +30,7 @@ def cmd_kernelspecs(args) -> int:
 
 
 def cmd_nodes(args) -> int:
-    from gpuhub.web import ApiClientError, call_json
+    from gpuhub.platform.http_client import ApiClientError, call_json
 
     try:
         config = load_scheduler_config(args.config)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     n.set_defaults(func=cmd_nodes)
     sub.add_parser("sim", help="trace-driven simulator (gpuhub sim --help)")
     lk = sub.add_parser("local-kernel", help="run a replicated kernel on this machine (fake GPUs, no systemd)")
-    from gpuhub import localkernel
+    from gpuhub.dev import localkernel
 
     localkernel.add_arguments(lk)
     lk.set_defaults(func=localkernel.main)

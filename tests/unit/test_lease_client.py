@@ -9,20 +9,20 @@ import threading
 import pytest
 
 from gpuhub.agent.units import ProcessRunner
-from gpuhub.devcluster import current_user
-from gpuhub.kernel.grants import AgentConnection, GrantClient, GrantError
+from gpuhub.dev.cluster import current_user
+from gpuhub.kernel.lease_client import AgentConnection, LeaseClient, LeaseError
 
 TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT"}
 
 
-def lease_client(agent, name: str = "gpuhub-kernel-gc-r0") -> GrantClient:
+def lease_client(agent, name: str = "gpuhub-kernel-gc-r0") -> LeaseClient:
     """The client a kernel unit of ``agent`` would have (its own lease token)."""
     status, unit = agent.call("POST", "/api/v1/units", {
         "name": name, "kind": "kernel", "user": current_user(), "gpus": 1, "cwd": os.getcwd(),
         "kernel": {"key": "k", "kernel_id": "gc"}})
     assert status == 201, unit
     token = ProcessRunner(str(agent.dir / "run"), 0).read_env(name)["GPUHUB_LEASE_TOKEN"]
-    return GrantClient(agent.url, token, agent.name)
+    return LeaseClient(agent.url, token, agent.name)
 
 
 def connections_to(port: int) -> set[tuple[int, int]]:
@@ -71,7 +71,7 @@ def test_agent_killed_then_back(make_agent):
     client = lease_client(agent)
     client.release(client.try_grant(1))
     agent.stop(kill=True)
-    with pytest.raises(GrantError, match="cannot reach the GPU agent of node gcnode"):
+    with pytest.raises(LeaseError, match="cannot reach the GPU agent of node gcnode"):
         client.try_grant(1)
     agent.start()
     assert client.try_grant(1) is not None
@@ -79,10 +79,10 @@ def test_agent_killed_then_back(make_agent):
 
 def test_bad_token_is_a_clear_error(make_agent):
     agent = make_agent("gcnode", gpus=1)
-    client = GrantClient(agent.url, "not-a-lease-token", agent.name)
-    with pytest.raises(GrantError, match="refused the lease: missing or invalid lease token"):
+    client = LeaseClient(agent.url, "not-a-lease-token", agent.name)
+    with pytest.raises(LeaseError, match="refused the lease: missing or invalid lease token"):
         client.try_grant(1)
-    with pytest.raises(GrantError, match="refused the lease: missing or invalid lease token"):
+    with pytest.raises(LeaseError, match="refused the lease: missing or invalid lease token"):
         client.try_grant(1)  # the 401 did not spoil the kept-alive connection
     assert client.connection.opened == 1
 

@@ -1,4 +1,4 @@
-"""Shared HTTP plumbing for the agent and scheduler APIs (tornado): tokens, JSON in and out."""
+"""The server side of the daemons' HTTP APIs (tornado): bearer tokens, JSON in and out, clear 400s."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import logging
 from typing import Any
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError, RequestHandler
 
 log = logging.getLogger(__name__)
@@ -82,38 +81,3 @@ def field(body: dict, name: str, kind: type | tuple, required: bool = True, defa
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise ApiError(400, f"field {name!r} must be of type {names}")
     return value
-
-
-class ApiClientError(RuntimeError):
-    def __init__(self, status: int, message: str, url: str) -> None:
-        super().__init__(f"{url}: {status} {message}")
-        self.status = status
-        self.message = message
-
-
-async def call_json(
-    method: str, url: str, token: str, body: Any = None, timeout: float = 20.0
-) -> tuple[int, Any]:
-    """One authenticated JSON request; returns (status, body). Raises ApiClientError on failure."""
-    req = HTTPRequest(
-        url,
-        method=method,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        body=None if body is None and method in ("GET", "DELETE") else json.dumps(body or {}),
-        request_timeout=timeout,
-        connect_timeout=min(timeout, 5.0),
-        allow_nonstandard_methods=True,
-    )
-    try:
-        resp = await AsyncHTTPClient().fetch(req)
-    except HTTPClientError as exc:
-        message = exc.message
-        if exc.response is not None and exc.response.body:
-            try:
-                message = json.loads(exc.response.body).get("error", message)
-            except ValueError:
-                pass
-        raise ApiClientError(exc.code, message, url) from None
-    except OSError as exc:
-        raise ApiClientError(0, f"cannot reach: {exc}", url) from None
-    return resp.code, json.loads(resp.body) if resp.body else None

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from jupyter_client.connect import write_connection_file
 
-from gpuhub.devcluster import DevCluster
-from gpuhub.kernel.router import KernelRouter
+from gpuhub.dev.cluster import DevCluster
+from gpuhub.server.router import KernelRouter
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -222,13 +222,13 @@ class LoopThread:
 
 class DevKernel:
     """A replicated kernel placed by a DevCluster's scheduler, shown as one kernel by a
-    :class:`~gpuhub.kernel.router.KernelRouter` (what the provisioner does inside a Jupyter server),
+    :class:`~gpuhub.server.router.KernelRouter` (what the provisioner does inside a Jupyter server),
     with a connected ``BlockingKernelClient`` as ``kc``. For tests and benchmarks."""
 
     def __init__(self, cluster: DevCluster, gpus: int, replicas: int = 3, ready_timeout_s: float = 120) -> None:
         from jupyter_client import BlockingKernelClient
 
-        from gpuhub.kernel.router import KernelRouter
+        from gpuhub.server.router import KernelRouter
 
         self.cluster = cluster
         self.key = secrets.token_hex(16)
