@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
 from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
-from gpuhub.platform.http_server import ApiError, JsonHandler, bearer_token, field, tokens_equal
+from gpuhub.platform.http_server import (
+    ApiError,
+    JsonHandler,
+    bearer_token,
+    tokens_equal,
+)
+from gpuhub.platform.schema import Body, invalid
 
 
 class AgentHandler(JsonHandler):
@@ -36,6 +45,48 @@ class NodeHandler(AgentHandler):
         self.write_json(self.agent.node_info())
 
 
+class KernelPart(Body):
+    """``kernel`` of POST /api/v1/units; the scheduler sends strings, anything else is str()-ed."""
+
+    key: Any = ""
+    kernel_id: Any = ""
+    replica_id: Any = 0
+
+    @field_validator("replica_id")
+    @classmethod
+    def _replica_id(cls, v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise invalid("field 'kernel.replica_id' must be an integer >= 0")
+        return v
+
+
+class UnitRequest(Body):
+    """POST /api/v1/units. Fields in the order they are checked: the first problem is the 400."""
+
+    kind: str
+    env: dict = Field(default_factory=dict)
+    kernel: KernelPart = Field(default_factory=KernelPart)
+    name: str
+    user: str
+    gpus: int = 0
+    cwd: str = ""
+    argv: list = None  # servers only; start_unit checks it is a list of strings
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in ("kernel", "server"):
+            raise invalid("field 'kind' must be 'kernel' or 'server'")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict) -> dict:
+        if not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+            raise invalid("field 'env' must map strings to strings")
+        return v
+
+
 class UnitsHandler(AgentHandler):
     async def get(self) -> None:
         self.require_admin()
@@ -44,29 +95,19 @@ class UnitsHandler(AgentHandler):
 
     async def post(self) -> None:
         self.require_admin()
-        body = self.json_body()
-        kind = field(body, "kind", str)
-        if kind not in ("kernel", "server"):
-            raise ApiError(400, "field 'kind' must be 'kernel' or 'server'")
-        env = field(body, "env", dict, required=False, default={})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise ApiError(400, "field 'env' must map strings to strings")
-        kernel = field(body, "kernel", dict, required=False, default={})
-        replica_id = kernel.get("replica_id", 0)
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
-            raise ApiError(400, "field 'kernel.replica_id' must be an integer >= 0")
+        body = self.parse_body(UnitRequest)
         try:
             unit = await self.agent.start_unit(
-                name=field(body, "name", str),
-                kind=kind,
-                user=field(body, "user", str),
-                gpus=field(body, "gpus", int, required=False, default=0),
-                env=env,
-                cwd=field(body, "cwd", str, required=False, default=""),
-                argv=field(body, "argv", list, required=False, default=None),
-                key=str(kernel.get("key", "")),
-                kernel_id=str(kernel.get("kernel_id", "")),
-                replica_id=replica_id,
+                name=body.name,
+                kind=body.kind,
+                user=body.user,
+                gpus=body.gpus,
+                env=body.env,
+                cwd=body.cwd,
+                argv=body.argv,
+                key=str(body.kernel.key),
+                kernel_id=str(body.kernel.kernel_id),
+                replica_id=body.kernel.replica_id,
             )
         except (UnitError, LeaseError) as exc:
             raise ApiError(400, str(exc)) from None
@@ -93,36 +134,54 @@ def is_host_port(addr: str) -> bool:
             and not any(c.isspace() or c in "/@" for c in host))
 
 
-def parse_peers(body: dict) -> list[dict]:
-    """The body of PUT /api/v1/units/{name}/peers: ``{"replicas": [{"id", "node", "raft", "blob",
-    "connection"}, …]}``, every replica of the kernel (this one included); 400 naming what is wrong."""
-    replicas = field(body, "replicas", list)
-    if not replicas:
-        raise ApiError(400, "field 'replicas' must list at least one replica")
-    out, seen = [], set()
-    for i, r in enumerate(replicas):
-        where = f"replicas[{i}]"
-        if not isinstance(r, dict):
-            raise ApiError(400, f"{where} must be an object")
-        try:
-            rid = field(r, "id", int)
-            entry = {"id": rid, "node": field(r, "node", str, required=False, default=""),
-                     "raft": field(r, "raft", str), "blob": field(r, "blob", str)}
-            conn = field(r, "connection", dict, required=False, default=None)
-        except ApiError as exc:
-            raise ApiError(400, f"{where}: {exc.message}") from None
-        if rid < 0:
-            raise ApiError(400, f"{where}: field 'id' must be >= 0, not {rid}")
-        if rid in seen:
-            raise ApiError(400, f"{where}: replica id {rid} appears twice")
-        seen.add(rid)
-        for name in ("raft", "blob"):
-            if not is_host_port(entry[name]):
-                raise ApiError(400, f"{where}: field {name!r} must be \"host:port\", not {entry[name]!r}")
-        if conn is not None:
-            entry["connection"] = conn
-        out.append(entry)
-    return out
+class Peer(Body):
+    """One replica in PUT /api/v1/units/{name}/peers."""
+
+    id: int
+    node: str = ""
+    raft: str
+    blob: str
+    connection: dict = None
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: int) -> int:
+        if v < 0:
+            raise invalid(f"field 'id' must be >= 0, not {v}")
+        return v
+
+    @field_validator("raft", "blob")
+    @classmethod
+    def _addr(cls, v: str, info: ValidationInfo) -> str:
+        if not is_host_port(v):
+            raise invalid(f"field {info.field_name!r} must be \"host:port\", not {v!r}")
+        return v
+
+    def entry(self) -> dict:
+        """As written to peers.json (no "connection" key when none was sent)."""
+        entry = {"id": self.id, "node": self.node, "raft": self.raft, "blob": self.blob}
+        if self.connection is not None:
+            entry["connection"] = self.connection
+        return entry
+
+
+class PeersRequest(Body):
+    """PUT /api/v1/units/{name}/peers: ``{"replicas": [{"id", "node", "raft", "blob", "connection"},
+    …]}``, every replica of the kernel (this one included)."""
+
+    replicas: list[Peer]
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas(cls, v: list[Peer]) -> list[Peer]:
+        if not v:
+            raise invalid("field 'replicas' must list at least one replica")
+        seen: set[int] = set()
+        for i, r in enumerate(v):
+            if r.id in seen:
+                raise invalid(f"replicas[{i}]: replica id {r.id} appears twice")
+            seen.add(r.id)
+        return v
 
 
 class PeersHandler(AgentHandler):
@@ -131,7 +190,7 @@ class PeersHandler(AgentHandler):
         self.require_admin()
         if name not in self.agent.units:
             raise ApiError(404, f"no unit {name}")
-        replicas = parse_peers(self.json_body())
+        replicas = [r.entry() for r in self.parse_body(PeersRequest).replicas]
         try:
             path = self.agent.write_peers(name, replicas)
         except KeyError:
@@ -141,14 +200,25 @@ class PeersHandler(AgentHandler):
         self.write_json({"unit": name, "peers_file": str(path), "replicas": [r["id"] for r in replicas]})
 
 
+class LeaseRequest(Body):
+    """POST /api/v1/leases."""
+
+    gpus: int
+    holder_pid: int = None  # lets the agent see the holder die before its unit does
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: int) -> int:
+        if v < 0:
+            raise invalid("field 'gpus' must not be negative")
+        return v
+
+
 class LeasesHandler(AgentHandler):
     def post(self) -> None:
         unit = self.require_unit()
-        body = self.json_body()
-        gpus = field(body, "gpus", int)
-        pid = field(body, "holder_pid", int, required=False, default=None)
-        if gpus < 0:
-            raise ApiError(400, "field 'gpus' must not be negative")
+        body = self.parse_body(LeaseRequest)
+        gpus, pid = body.gpus, body.holder_pid
         try:
             lease = self.agent.grant(unit, gpus, pid)
         except LeaseError as exc:

@@ -130,12 +130,6 @@ class LeaseBook:
             del self.leases[lease.lease_id]
         return gone
 
-    def renew(self, lease_id: str, now: float, ttl_s: float) -> Lease | None:
-        lease = self.leases.get(lease_id)
-        if lease is not None:
-            lease.expires_at = now + ttl_s
-        return lease
-
     def expire(self, now: float, holder_alive: Callable[[Lease], bool] = lambda lease: True) -> list[Lease]:
         """Drop leases whose time ran out or whose holder died; return them."""
         dead = [

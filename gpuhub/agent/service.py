@@ -7,90 +7,38 @@ and forgets nothing (DESIGN D5).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import secrets
-import shutil
-import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
+from gpuhub.agent.ports import kernel_connection, ports_taken
+from gpuhub.agent.records import (
+    CONNECTION_FILE,
+    PEERS_FILE,
+    UnitRecord,
+    blob_addr,
+    raft_addr,
+    sha256,
+)
+from gpuhub.agent.recovery import (
+    adopt_unit,
+    gone_for_good,
+    live_leases,
+    load_state,
+    pid_alive,
+)
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
 from gpuhub.config import AgentConfig
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
+from gpuhub.platform.store import JsonStore
 
 log = logging.getLogger(__name__)
-
-CONNECTION_FILE = "connection.json"
-PEERS_FILE = "peers.json"  # written by PUT /api/v1/units/{name}/peers once all replicas have ports
-JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-
-
-@dataclass
-class UnitRecord:
-    name: str
-    kind: str
-    user: str
-    gpus: int
-    kernel_id: str = ""
-    lease_token_sha256: str = ""
-    created_at: float = 0.0
-    connection: dict | None = None  # kernels: ip, 5 Jupyter ports, raft_port, blob_port, transport… (no key)
-    replica_id: int = 0  # kernels: this replica's id in its kernel's Raft group
-
-
-def raft_addr(conn: dict | None) -> str | None:
-    """``ip:raft_port`` of a kernel unit (None for units started before replication)."""
-    return f"{conn['ip']}:{conn['raft_port']}" if conn and "raft_port" in conn else None
-
-
-def blob_addr(conn: dict | None) -> str | None:
-    return f"{conn['ip']}:{conn['blob_port']}" if conn and "blob_port" in conn else None
-
-
-def sha256(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
-
-
-def free_ports(ip: str, n: int, first: int, last: int, taken: set[int]) -> list[int]:
-    """``n`` ports in [first, last] that no unit of this agent has and nothing listens on now.
-
-    Starts at a random point so that agents sharing one host (dev clusters) seldom try the same
-    port; a port is only tested by binding it, so a unit that has not bound its ports yet is
-    protected by ``taken``, not by the test."""
-    span = last - first + 1
-    start = secrets.randbelow(span)
-    ports: list[int] = []
-    for i in range(span):
-        port = first + (start + i) % span
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((ip, port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise UnitError(f"no {n} free kernel ports left in {first}-{last} on {ip} (kernel_ports in the agent's config)")
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return True  # no pid to check: the unit check decides
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Agent:
@@ -103,68 +51,38 @@ class Agent:
         self.runner = make_runner(config.unit_backend, config.runtime_dir, config.min_uid)
         self.units: dict[str, UnitRecord] = {}
         self.state_path = Path(config.state_dir) / "state.json"
+        self.store = JsonStore(self.state_path)  # 0600: lease token digests, who runs what
+        self.journals = Journals(config.state_dir)
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
         self._gpu_cache: tuple[float, list] = (0.0, [])
 
-    # --- persistence ---------------------------------------------------------
+    # --- persistence and recovery ----------------------------------------------
     def save(self) -> None:
-        self.state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        data = {
+        self.store.save({
             "node": self.config.node_name,
             "units": {n: asdict(u) for n, u in self.units.items()},
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
-        }
-        tmp = self.state_path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.state_path)
+        })
 
     async def recover(self) -> None:
         """Rebuild units and leases from the state file and systemd; stop nothing."""
-        data = {}
-        if self.state_path.exists():
-            try:
-                data = json.loads(self.state_path.read_text())
-            except ValueError:
-                bad = self.state_path.with_suffix(f".corrupt-{int(time.time())}")
-                os.replace(self.state_path, bad)
-                log.error("state file was corrupt; kept it as %s and rebuilt from systemd", bad)
+        data = load_state(self.store)
         for name, raw in data.get("units", {}).items():
             self.units[name] = UnitRecord(**raw)
         running = set(await self.runner.list())
         for name in running - set(self.units):
-            # A unit systemd knows but our state lost: adopt it from its environment file.
-            env = self.runner.read_env(name)
-            token = env.get("GPUHUB_LEASE_TOKEN", "")
-            self.units[name] = UnitRecord(
-                name=name,
-                kind=name.split("-")[1],
-                user=(await self.runner.status(name)).user or "",
-                gpus=int(env.get("GPUHUB_KERNEL_GPUS", "0") or 0),
-                kernel_id=env.get("GPUHUB_KERNEL_ID", ""),
-                lease_token_sha256=sha256(token) if token else "",
-                created_at=time.time(),
-                connection=self._read_connection(name),
-                replica_id=int(env.get("GPUHUB_REPLICA_ID", "0") or 0),
-            )
+            self.units[name] = await adopt_unit(self.runner, name)
             log.warning("adopted unit %s found in systemd but not in the state file", name)
         for name in list(self.units):
-            st = await self.runner.status(name)
-            if not st.active and st.state in ("gone", "inactive"):
-                # Gone for good (systemd restarts crashed kernel units itself, and a reboot
-                # drops transient units): the scheduler replaces the replica, so its journal
-                # can never be used again.
+            if await gone_for_good(self.runner, name):
+                # Its replica is replaced by the scheduler, so its journal can never be used again.
                 log.info("unit %s is no longer running; forgetting it", name)
                 self._forget(name)
-                self._remove_journal(name)
-        if self.config.unit_backend == "systemd" and self.journal_root().is_dir():
-            for d in self._journal_parents():  # systemd resets StateDirectoryMode= at each agent start
-                os.chmod(d, 0o711)
-        for raw in data.get("leases", []):
-            lease = Lease.from_dict(raw)
-            if lease.holder in self.units and pid_alive(lease.holder_pid):
-                self.book.leases[lease.lease_id] = lease
+                self.journals.remove(name)
+        if self.config.unit_backend == "systemd":
+            self.journals.open_parents()
+        for lease in live_leases(data.get("leases", []), self.units):
+            self.book.leases[lease.lease_id] = lease
         for u in self.units.values():
             if u.kind == "kernel":
                 self.book.place(u.name, u.gpus)
@@ -172,31 +90,12 @@ class Agent:
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
 
-    def _read_connection(self, name: str) -> dict | None:
-        try:
-            conn = json.loads((self.runner.unit_dir(name) / CONNECTION_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        conn.pop("key", None)
-        return conn
-
     # --- journals (a kernel replica's Raft log on local disk) ----------------
     def journal_root(self) -> Path:
-        return Path(self.config.state_dir) / "journals"
+        return self.journals.root
 
     def journal_dir(self, name: str) -> Path:
-        if not UNIT_NAME.match(name):  # never a path like ".." from a request
-            raise UnitError(f"not a unit name: {name!r}")
-        return self.journal_root() / name
-
-    def _journal_parents(self) -> tuple[Path, ...]:
-        """Root-owned 0711 under systemd: a unit's user reaches its own journal directory but
-        cannot list the others (like /run/gpuhub/units)."""
-        return (Path(self.config.state_dir), self.journal_root())
-
-    def _remove_journal(self, name: str) -> None:
-        if UNIT_NAME.match(name):
-            shutil.rmtree(self.journal_dir(name), ignore_errors=True)  # does not follow symlinks
+        return self.journals.dir(name)
 
     # --- GPUs ----------------------------------------------------------------
     def gpus(self) -> list:
@@ -268,18 +167,8 @@ class Agent:
             token = secrets.token_urlsafe(32)
             record.lease_token_sha256 = sha256(token)
             record.replica_id = replica_id
-            taken = {p for u in self.units.values() if u.connection
-                     for k, p in u.connection.items() if k.endswith("_port")}
-            ports = free_ports(self.config.kernel_ip, len(JUPYTER_PORTS) + 2, *self.config.kernel_ports, taken)
-            conn = {
-                "ip": self.config.kernel_ip,
-                "transport": "tcp",
-                "signature_scheme": "hmac-sha256",
-                **dict(zip(JUPYTER_PORTS, ports[:5], strict=True)),
-                "kernel_name": "",
-                "raft_port": ports[5],  # Raft (pysyncobj) between the kernel's replicas
-                "blob_port": ports[6],  # large values, replica to replica
-            }
+            taken = ports_taken(u.connection for u in self.units.values())
+            conn = kernel_connection(self.config.kernel_ip, self.config.kernel_ports, taken)
             record.connection = conn
             files[CONNECTION_FILE] = json.dumps({**conn, "key": key})
             udir = self.runner.unit_dir(name)
@@ -309,11 +198,11 @@ class Agent:
         try:
             if journal is not None:
                 # Kept if it exists: a replica started again under its name catches up from it.
-                self.runner.user_dir(journal, user, traverse=self._journal_parents())
+                self.runner.user_dir(journal, user, traverse=self.journals.parents)
             st = await self.runner.start(spec)
         except BaseException:
             if fresh_journal:
-                self._remove_journal(name)
+                self.journals.remove(name)
             raise
         self.units[name] = record
         if kind == "kernel":
@@ -327,7 +216,7 @@ class Agent:
         if not UNIT_NAME.match(name):
             return False  # nothing of ours has that name; never touch paths built from it
         await self.runner.stop(name)
-        self._remove_journal(name)
+        self.journals.remove(name)
         if known:
             self._forget(name)
             self.save()

@@ -5,11 +5,15 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from tornado.web import HTTPError, RequestHandler
 
+from gpuhub.platform.schema import Body, BodyError, parse
+
 log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=Body)
 
 
 class ApiError(HTTPError):
@@ -50,6 +54,13 @@ class JsonHandler(RequestHandler):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
+    def parse_body(self, model: type[B]) -> B:
+        """The JSON body as ``model`` (see gpuhub.platform.schema), or a 400 that names what is wrong."""
+        try:
+            return parse(model, self.json_body())
+        except BodyError as exc:
+            raise ApiError(400, str(exc)) from None
+
     def write_json(self, obj: Any, status: int = 200) -> None:
         self.set_status(status)
         self.finish(json.dumps(obj))
@@ -66,18 +77,3 @@ class JsonHandler(RequestHandler):
             log.info("%s %s -> %d: %s", self.request.method, self.request.path, value.status_code, value.message)
         else:
             super().log_exception(typ, value, tb)
-
-
-def field(body: dict, name: str, kind: type | tuple, required: bool = True, default: Any = None) -> Any:
-    """Read one field of a request body, or raise a 400 that names it."""
-    if name not in body:
-        if required:
-            raise ApiError(400, f"missing field {name!r}")
-        return default
-    value = body[name]
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ApiError(400, f"field {name!r} must be a number")
-    if not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise ApiError(400, f"field {name!r} must be of type {names}")
-    return value

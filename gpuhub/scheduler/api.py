@@ -6,13 +6,20 @@ import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
+from gpuhub.platform.http_client import ApiClientError
+from gpuhub.platform.http_server import (
+    ApiError,
+    JsonHandler,
+    bearer_token,
+    tokens_equal,
+)
+from gpuhub.platform.schema import Body, invalid
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import Scheduler
-from gpuhub.platform.http_client import ApiClientError
-from gpuhub.platform.http_server import ApiError, JsonHandler, bearer_token, field, tokens_equal
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,24 @@ class NodesHandler(SchedulerHandler):
         self.write_json({"nodes": self.scheduler.nodes_view()})
 
 
+class KernelRequest(Body):
+    """POST /api/v1/kernels. Fields in the order they are checked: the first problem is the 400."""
+
+    gpus: int = 0
+    replicas: int = Field(default=3, validate_default=True)  # so that _counts also sees a left-out one
+
+    @field_validator("replicas")
+    @classmethod
+    def _counts(cls, v: int, info: ValidationInfo) -> int:
+        if info.data.get("gpus", 0) < 0 or v < 1 or v > 7:  # no "gpus" in data: its own error comes first
+            raise invalid("gpus must be >= 0 and replicas 1..7")
+        return v
+
+    kernel_id: str
+    key: str
+    cwd: str = ""
+
+
 class KernelsHandler(SchedulerHandler):
     async def get(self) -> None:
         if self.is_admin():
@@ -67,19 +92,15 @@ class KernelsHandler(SchedulerHandler):
 
     async def post(self) -> None:
         user = await self.require_user()
-        body = self.json_body()
-        gpus = field(body, "gpus", int, required=False, default=0)
-        replicas = field(body, "replicas", int, required=False, default=3)
-        if gpus < 0 or replicas < 1 or replicas > 7:
-            raise ApiError(400, "gpus must be >= 0 and replicas 1..7")
+        body = self.parse_body(KernelRequest)
         try:
             record = await self.scheduler.create_kernel(
                 user=user,
-                kernel_id=field(body, "kernel_id", str),
-                key=field(body, "key", str),
-                gpus=gpus,
-                replicas=replicas,
-                cwd=field(body, "cwd", str, required=False, default=""),
+                kernel_id=body.kernel_id,
+                key=body.key,
+                gpus=body.gpus,
+                replicas=body.replicas,
+                cwd=body.cwd,
             )
         except PermissionError as exc:
             raise ApiError(403, str(exc)) from None

@@ -7,17 +7,16 @@ agents report. Its books are persisted, and rebuilt from the agents' units on st
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpuhub.config import SchedulerConfig
-from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.platform.store import CorruptStore, JsonStore
+from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +99,7 @@ class Scheduler:
         self.nodes: dict[str, NodeRecord] = {}
         self.kernels: dict[str, KernelRecord] = {}
         self.path = Path(config.state_dir) / "books.json"
+        self.store = JsonStore(self.path)  # 0600: the books hold kernel keys
         self.counters = {"placements": 0, "placement_failures": 0, "replacements": 0}
         self.started = time.time()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
@@ -111,19 +111,15 @@ class Scheduler:
             "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen} for n, r in self.nodes.items()},
             "kernels": {k: r.books() for k, r in self.kernels.items()},
         }
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.path)
+        self.store.save(data)
 
     def load(self) -> None:
-        if not self.path.exists():
-            return
         try:
-            data = json.loads(self.path.read_text())
-        except ValueError:
+            data = self.store.load()
+        except CorruptStore:
             log.error("books %s are corrupt; rebuilding from the agents", self.path)
+            return
+        if data is None:
             return
         for name, n in data.get("nodes", {}).items():
             self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"])

@@ -56,6 +56,9 @@ def test_admin_token_is_not_a_lease_token(make_agent):
     (b'{"kind": "server", "name": "gpuhub-server-x", "user": "root", "argv": ["/bin/true"], "gpus": "two"}',
      "'gpus' must be"),
     (b'{"kind": "server", "name": "evil; rm -rf /", "user": "u", "argv": ["/bin/true"]}', "unit name"),
+    (b'{"kind": "server", "name": "gpuhub-server-x", "user": "u", "env": {"A": 1}}', "map strings to strings"),
+    (b'{"kind": "kernel", "name": "gpuhub-kernel-x", "user": "u", "kernel": "k"}', "field 'kernel' must be of type dict"),
+    (b'{"kind": "server", "name": "gpuhub-server-x", "user": "u", "argv": null}', "field 'argv' must be of type list"),
     (b'{"kind": "kernel", "name": "gpuhub-kernel-x", "user": "u", "gpus": 9, "kernel": {"key": "k"}}', "has 1"),
 ])
 def test_malformed_unit_requests(make_agent, raw, message):
@@ -82,6 +85,11 @@ def test_lease_limited_to_placed_gpus(make_agent):
     token = _lease_token(a, "gpuhub-kernel-t1")
     status, body = a.call("POST", "/api/v1/leases", {"gpus": 2}, token=token)
     assert status == 400 and "placed with 1" in body["error"]
+    for bad, message in (({}, "missing field 'gpus'"), ({"gpus": True}, "field 'gpus' must be a number"),
+                         ({"gpus": -1}, "must not be negative"),
+                         ({"gpus": 1, "holder_pid": "1"}, "field 'holder_pid' must be of type int")):
+        status, body = a.call("POST", "/api/v1/leases", bad, token=token)
+        assert status == 400 and message in body["error"], body
     status, body = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
     assert status == 200
     assert a.call("DELETE", f"/api/v1/leases/{body['lease_id']}", token=token)[1]["released"] is True

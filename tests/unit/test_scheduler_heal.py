@@ -98,3 +98,13 @@ def test_the_key_is_in_the_books_but_never_in_a_view(tmp_path):
     again = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
     again.load()
     assert again.kernels["k1"].key == "very-secret"
+
+
+def test_corrupt_books_are_rebuilt_from_the_agents(tmp_path, caplog):
+    (tmp_path / "books.json").write_text('{"kernels": {"k1": ')  # cut off by a crash of an older version
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
+    with caplog.at_level(logging.ERROR):
+        s.load()
+    assert s.kernels == {} and s.nodes == {}
+    assert any("are corrupt" in r.message for r in caplog.records)
+    Scheduler(SchedulerConfig(state_dir=str(tmp_path / "none")), agent_token="t").load()  # no books yet: fine

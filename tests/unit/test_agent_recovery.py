@@ -1,0 +1,61 @@
+"""Agent pieces that need no running daemon: its state file on recovery, and kernel port allocation."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import stat
+
+import pytest
+
+from gpuhub.agent.ports import (
+    KERNEL_PORT_COUNT,
+    free_ports,
+    kernel_connection,
+    ports_taken,
+)
+from gpuhub.agent.service import Agent
+from gpuhub.agent.units import UnitError
+from gpuhub.config import AgentConfig
+
+
+def agent(tmp_path) -> Agent:
+    return Agent(AgentConfig(node_name="n1", state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run"),
+                             unit_backend="process", gpus={"backend": "fake", "fake": [{"name": "Fake", "memory_mib": 1024}]}))
+
+
+async def test_a_corrupt_state_file_is_kept_aside_and_rebuilt(tmp_path, caplog):
+    a = agent(tmp_path)
+    a.state_path.parent.mkdir(parents=True)
+    a.state_path.write_text('{"units": {"gpuhub-kernel-')
+    with caplog.at_level(logging.ERROR):
+        await a.recover()
+    kept = list(a.state_path.parent.glob("state.corrupt-*"))
+    assert len(kept) == 1 and kept[0].read_text() == '{"units": {"gpuhub-kernel-'
+    assert any("state file was corrupt" in r.message for r in caplog.records)
+    assert a.store.load() == {"node": "n1", "units": {}, "leases": []}  # a fresh one, still private
+    assert stat.S_IMODE(a.state_path.stat().st_mode) == 0o600
+
+
+async def test_recovery_without_a_state_file(tmp_path):
+    a = agent(tmp_path)
+    await a.recover()
+    assert a.units == {} and a.store.load()["units"] == {}
+
+
+def test_kernel_ports_never_hand_out_a_taken_port():
+    conn = kernel_connection("127.0.0.1", (28100, 28100 + KERNEL_PORT_COUNT - 1), set())
+    ports = ports_taken([conn, None])
+    assert sorted(ports) == list(range(28100, 28100 + KERNEL_PORT_COUNT))
+    assert conn["raft_port"] != conn["blob_port"] and conn["ip"] == "127.0.0.1"
+    with pytest.raises(UnitError, match="no 7 free kernel ports left in 28100-28106"):
+        kernel_connection("127.0.0.1", (28100, 28106), ports)
+    assert free_ports("127.0.0.1", 1, 28100, 28101, {28100}) == [28101]
+
+
+def test_a_port_something_listens_on_is_skipped():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert free_ports("127.0.0.1", 1, busy, busy + 1, set()) == [busy + 1]
