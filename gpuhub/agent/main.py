@@ -11,8 +11,9 @@ import sys
 from tornado.httpserver import HTTPServer
 
 from gpuhub.agent.api import make_app
+from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.service import Agent
-from gpuhub.config import ConfigError, load_agent_config, read_secret
+from gpuhub.platform.config import ConfigError, load_settings, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json
 
 log = logging.getLogger("gpuhub.agent")
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = load_agent_config(args.config)
+        config = load_settings(AgentConfig, args.config)
         token = read_secret(config.token_file, "agent")
         scheduler_token = read_secret(config.scheduler_token_file, "scheduler") if config.scheduler_url else None
         agent = Agent(config)

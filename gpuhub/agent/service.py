@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
-from gpuhub.config import AgentConfig
+from gpuhub.agent.config import AgentConfig
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,10 @@ import sys
 
 from tornado.httpserver import HTTPServer
 
-from gpuhub.config import ConfigError, load_scheduler_config, read_secret
+from gpuhub.platform.config import ConfigError, load_settings, read_secret
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import Scheduler
 
 log = logging.getLogger("gpuhub.scheduler")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = load_scheduler_config(args.config)
+        config = load_settings(SchedulerConfig, args.config)
         token = read_secret(config.token_file, "scheduler")
         agent_token = read_secret(config.agent_token_file, "agent")
     except ConfigError as exc:

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpuhub.config import SchedulerConfig
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.platform.http_client import ApiClientError, call_json
 
