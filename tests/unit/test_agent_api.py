@@ -142,7 +142,7 @@ def test_agent_restart_keeps_units_and_leases(make_agent):
 
 
 def test_kernel_ports_come_from_the_configured_range_and_are_not_handed_out_twice(make_agent):
-    agent = make_agent(extra="kernel_ports = [28000, 28013]")  # room for exactly two kernel units
+    agent = make_agent(extra={"kernel_ports": [28000, 28013]})  # room for exactly two kernel units
     names = [f"gpuhub-kernel-k{i}-r0" for i in range(3)]
     body = {"kind": "kernel", "user": current_user(), "gpus": 0, "kernel": {"key": "k", "kernel_id": "k"}}
     ports = []
