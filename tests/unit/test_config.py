@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import tomli_w
 
+from gpuhub.agent import main as agent_main
 from gpuhub.agent.config import AgentConfig
 from gpuhub.platform.config import ConfigError, load_config_file, load_settings, read_secret
+from gpuhub.platform.daemon import access_log
+from gpuhub.scheduler import main as scheduler_main
 from gpuhub.scheduler.config import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def keep_root_logger():
+    """Daemon.initialize sets up the root logger, as in a daemon; put this process's back after."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def write(tmp_path: Path, text: str, name: str = "agent.toml") -> Path:
@@ -122,3 +142,59 @@ def test_tokens_are_refused_when_others_can_read_them_or_they_are_short(tmp_path
     with pytest.raises(ConfigError, match="does not exist"):
         read_secret(tmp_path / "c.token", "agent")
     assert read_secret(token_file(tmp_path, "d.token"), "agent") == "t" * 32
+
+
+def test_a_config_error_exits_2_naming_the_daemon(tmp_path, capsys):
+    p = write(tmp_path, 'unit_backend = "docker"\n')
+    assert agent_main.main(["--config", str(p)]) == 2
+    assert capsys.readouterr().err.startswith(f"gpuhub-agent: {p}: unit_backend must be")
+    # A token others can read stops the daemon before it listens.
+    t = token_file(tmp_path, "agent.token", 0o644)
+    p = write(tmp_path, tomli_w.dumps({"token_file": str(t), "agent_token_file": str(t)}), "scheduler.toml")
+    assert scheduler_main.main(["--config", str(p), "--log-level", "DEBUG"]) == 2
+    assert "gpuhub-scheduler: scheduler: token file" in capsys.readouterr().err
+
+
+def test_command_line_options_are_checked_too(tmp_path, capsys):
+    p = write(tmp_path, 'unit_backend = "process"\n')
+    assert agent_main.main(["--config", str(p), "--AgentConfig.prot=1"]) == 2
+    assert "unknown setting(s) AgentConfig.prot" in capsys.readouterr().err
+    assert agent_main.main(["--config", str(p), "--confg", "x"]) == 2
+    assert "unknown option --confg" in capsys.readouterr().err
+    assert agent_main.main(["--config", str(p), "--AgentConfig.port=0"]) == 2
+    assert "or the command line: The value of the 'port' trait" in capsys.readouterr().err
+
+
+def test_command_line_settings_win_over_the_file(tmp_path):
+    p = write(tmp_path, "port = 8700\nmin_uid = 0\n")
+    app = agent_main.AgentDaemon()
+    app.secret_files = lambda: {}  # stop before tokens and the service
+    app.init_service = lambda: None
+    app.initialize(["--config", str(p), "--AgentConfig.port=8800", "--log-level", "warning"])
+    assert (app.settings.port, app.settings.min_uid, app.settings.advertise_url) == (8800, 0, "http://127.0.0.1:8800")
+    assert logging.getLogger().level == logging.WARN
+
+
+@pytest.mark.parametrize("script,settings", [("gpuhub.agent.main", AgentConfig),
+                                             ("gpuhub.scheduler.main", SchedulerConfig)])
+def test_help_all_lists_every_setting_with_its_help(script, settings):
+    out = subprocess.run([sys.executable, "-m", script, "--help-all"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert "--config=<Unicode>" in out and "--log-level=" in out
+    for name, trait in settings.class_traits(config=True).items():
+        assert f"--{settings.__name__}.{name}=" in out
+        assert trait.help, name
+    assert "logging_config" not in out  # only the daemon's own settings
+
+
+def test_access_log_has_method_path_status_and_never_the_query_or_headers(caplog):
+    request = SimpleNamespace(method="POST", path="/api/v1/units", uri="/api/v1/units?token=secret",
+                              headers={"Authorization": "Bearer secret"}, body=b'{"key": "secret"}',
+                              request_time=lambda: 0.0123)
+    log = access_log(logging.getLogger("gpuhub.test.access"), quiet_paths=("/metrics",))
+    with caplog.at_level(logging.DEBUG, logger="gpuhub.test.access"):
+        log(SimpleNamespace(get_status=lambda: 201, request=request))
+        request.path = "/metrics"
+        log(SimpleNamespace(get_status=lambda: 200, request=request))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "201 POST /api/v1/units 12.3ms"), (logging.DEBUG, "200 POST /metrics 12.3ms")]
