@@ -172,7 +172,7 @@ def test_command_line_settings_win_over_the_file(tmp_path):
     app.init_service = lambda: None
     app.initialize(["--config", str(p), "--AgentConfig.port=8800", "--log-level", "warning"])
     assert (app.settings.port, app.settings.min_uid, app.settings.advertise_url) == (8800, 0, "http://127.0.0.1:8800")
-    assert logging.getLogger().level == logging.WARN
+    assert logging.getLogger().level == logging.WARNING
 
 
 @pytest.mark.parametrize("script,settings", [("gpuhub.agent.main", AgentConfig),
