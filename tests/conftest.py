@@ -11,7 +11,7 @@ from gpuhub.dev.cluster import AgentProcess, DevCluster, SchedulerProcess, curre
 def make_agent(tmp_path):
     agents = []
 
-    def make(name: str = "node1", gpus: int = 2, extra: str = "") -> AgentProcess:
+    def make(name: str = "node1", gpus: int = 2, extra: dict | None = None) -> AgentProcess:
         a = AgentProcess(tmp_path, name, gpus, extra).start()
         agents.append(a)
         return a

@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 
-from gpuhub.config import ConfigError, load_scheduler_config, read_secret
+from gpuhub.platform.config import ConfigError, load_settings, read_secret
 
 
 def cmd_kernelspecs(args) -> int:
@@ -31,9 +31,10 @@ def cmd_kernelspecs(args) -> int:
 
 def cmd_nodes(args) -> int:
     from gpuhub.platform.http_client import ApiClientError, call_json
+    from gpuhub.scheduler.config import SchedulerConfig
 
     try:
-        config = load_scheduler_config(args.config)
+        config = load_settings(SchedulerConfig, args.config)
         token = read_secret(config.token_file, "scheduler")
     except ConfigError as exc:
         print(f"gpuhub nodes: {exc}", file=sys.stderr)

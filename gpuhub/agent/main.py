@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-from tornado.httpserver import HTTPServer
+from traitlets import Unicode
 
 from gpuhub.agent.api import make_app
+from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.service import Agent
-from gpuhub.config import ConfigError, load_agent_config, read_secret
+from gpuhub.gpus.base import GpuConfigError
+from gpuhub.platform.config import ConfigError
+from gpuhub.platform.daemon import Daemon
 from gpuhub.platform.http_client import ApiClientError, call_json
 
 log = logging.getLogger("gpuhub.agent")
@@ -43,47 +44,51 @@ async def expiry_loop(agent: Agent) -> None:
             log.exception("lease expiry check failed")
 
 
-async def serve(agent: Agent, token: str, scheduler_token: str | None) -> None:
-    await agent.recover()
-    server = HTTPServer(make_app(agent, token), xheaders=False)
-    server.listen(agent.config.port, address=agent.config.listen_address)
-    log.info(
-        "gpuhub-agent %s listening on %s:%d (%d GPU(s), backend %s, units via %s)",
-        agent.config.node_name, agent.config.listen_address, agent.config.port,
-        agent.book.gpu_count, agent.inventory.backend, agent.runner.backend,
-    )
-    tasks = [asyncio.create_task(expiry_loop(agent))]
-    if agent.config.scheduler_url and scheduler_token:
-        tasks.append(asyncio.create_task(heartbeat_loop(agent, scheduler_token)))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+class AgentDaemon(Daemon):
+    name = "gpuhub-agent"
+    description = __doc__
+    classes = [AgentConfig]
+    settings_class = AgentConfig
+    config_file = Unicode("/etc/gpuhub/agent.toml", config=True, help="The TOML config file.")
+    quiet_paths = ("/metrics",)
     # Units keep running: restarting the agent must never stop a kernel (DESIGN D5).
-    log.info("gpuhub-agent stopping; units keep running")
-    server.stop()
-    for t in tasks:
-        t.cancel()
-    agent.save()
+    stop_message = "stopping; units keep running"
+
+    def secret_files(self) -> dict[str, str]:
+        files = {"agent": self.settings.token_file}
+        if self.settings.scheduler_url:
+            files["scheduler"] = self.settings.scheduler_token_file
+        return files
+
+    def init_service(self) -> None:
+        try:
+            self.agent = Agent(self.settings)
+        except GpuConfigError as exc:  # the [gpus] table of the file
+            raise ConfigError(f"{self.config_file}: {exc}") from None
+
+    async def prepare(self) -> None:
+        await self.agent.recover()
+
+    def make_web_app(self):
+        return make_app(self.agent, self.secrets["agent"])
+
+    def listening_message(self) -> str:
+        a = self.agent
+        return (f"gpuhub-agent {a.config.node_name} listening on {a.config.listen_address}:{a.config.port} "
+                f"({a.book.gpu_count} GPU(s), backend {a.inventory.backend}, units via {a.runner.backend})")
+
+    def background(self) -> list:
+        tasks = [expiry_loop(self.agent)]
+        if "scheduler" in self.secrets:
+            tasks.append(heartbeat_loop(self.agent, self.secrets["scheduler"]))
+        return tasks
+
+    def on_stop(self) -> None:
+        self.agent.save()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuhub-agent", description=__doc__)
-    parser.add_argument("--config", default="/etc/gpuhub/agent.toml")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_agent_config(args.config)
-        token = read_secret(config.token_file, "agent")
-        scheduler_token = read_secret(config.scheduler_token_file, "scheduler") if config.scheduler_url else None
-        agent = Agent(config)
-    except ConfigError as exc:
-        print(f"gpuhub-agent: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(agent, token, scheduler_token))
-    return 0
+    return AgentDaemon.main(argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from gpuhub.agent.recovery import (
     pid_alive,
 )
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
-from gpuhub.config import AgentConfig
+from gpuhub.agent.config import AgentConfig
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform.store import JsonStore
 

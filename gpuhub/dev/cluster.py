@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import tomli_w
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,11 +29,10 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, tmp: Path, name: str, gpus: int, extra: str = "", port_block: int | None = None) -> None:
+    def __init__(self, tmp: Path, name: str, gpus: int, extra: dict | None = None,
+                 port_block: int | None = None) -> None:
+        """``extra``: more agent.toml settings (gpuhub.agent.config.AgentConfig), overriding these."""
         self.name = name
-        # Agents on one host: each gets its own block of kernel ports, so two never hand out one port.
-        block = secrets.randbelow(14) if port_block is None else port_block % 14
-        ports = "" if "kernel_ports" in extra else f"kernel_ports = [{20000 + 700 * block}, {20000 + 700 * block + 699}]\n"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
@@ -40,15 +41,19 @@ class AgentProcess:
         token_file = self.dir / "secrets" / "agent.token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
-        fake = ", ".join('{ name = "Fake GPU", memory_mib = 16384 }' for _ in range(gpus))
+        # Agents on one host: each gets its own block of kernel ports, so two never hand out one port.
+        block = secrets.randbelow(14) if port_block is None else port_block % 14
+        settings = {
+            "node_name": name, "listen_address": "127.0.0.1", "port": self.port, "kernel_ip": "127.0.0.1",
+            "token_file": str(token_file), "state_dir": str(self.dir / "state"),
+            "runtime_dir": str(self.dir / "run"), "unit_backend": "process", "min_uid": 0,
+            "lease_check_interval_s": 0.5, "kernel_ports": [20000 + 700 * block, 20000 + 700 * block + 699],
+            "gpus": {"backend": "fake" if gpus else "none",
+                     "fake": [{"name": "Fake GPU", "memory_mib": 16384} for _ in range(gpus)]},
+            **(extra or {}),
+        }
         self.config = self.dir / "agent.toml"
-        self.config.write_text(
-            f'node_name = "{name}"\nlisten_address = "127.0.0.1"\nport = {self.port}\n'
-            f'kernel_ip = "127.0.0.1"\ntoken_file = "{token_file}"\nstate_dir = "{self.dir}/state"\n'
-            f'runtime_dir = "{self.dir}/run"\nunit_backend = "process"\nmin_uid = 0\n'
-            f'lease_check_interval_s = 0.5\n{ports}{extra}\n'
-            f'[gpus]\nbackend = "{"fake" if gpus else "none"}"\nfake = [{fake}]\n'
-        )
+        self.config.write_text(tomli_w.dumps(settings))
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "AgentProcess":
@@ -115,15 +120,14 @@ class SchedulerProcess:
             p = self.dir / "secrets" / name
             p.write_text(value)
             p.chmod(0o600)
-        static = ", ".join(f'"{t}" = "{u}"' for t, u in user_tokens.items())
         self.config = self.dir / "scheduler.toml"
-        self.config.write_text(
-            f'listen_address = "127.0.0.1"\nport = {self.port}\n'
-            f'token_file = "{self.dir}/secrets/scheduler.token"\nagent_token_file = "{self.dir}/secrets/agent.token"\n'
-            f'state_dir = "{self.dir}/state"\nnode_timeout_s = {node_timeout_s}\nhub_api_url = ""\n'
-            f'replica_dead_grace_s = {replica_dead_grace_s}\n'
-            f'static_user_tokens = {{ {static} }}\n'
-        )
+        self.config.write_text(tomli_w.dumps({
+            "listen_address": "127.0.0.1", "port": self.port,
+            "token_file": str(self.dir / "secrets" / "scheduler.token"),
+            "agent_token_file": str(self.dir / "secrets" / "agent.token"),
+            "state_dir": str(self.dir / "state"), "node_timeout_s": float(node_timeout_s), "hub_api_url": "",
+            "replica_dead_grace_s": float(replica_dead_grace_s), "static_user_tokens": dict(user_tokens),
+        }))
 
     def start(self) -> "SchedulerProcess":
         self.log = open(self.dir / "scheduler.log", "ab")
@@ -164,9 +168,9 @@ class DevCluster:
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)
             token_file.chmod(0o600)
-            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=first_block + i, extra=(
-                f'scheduler_url = "{self.scheduler.url}"\nscheduler_token_file = "{token_file}"\n'
-                'heartbeat_interval_s = 0.5'))
+            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=first_block + i, extra={
+                "scheduler_url": self.scheduler.url, "scheduler_token_file": str(token_file),
+                "heartbeat_interval_s": 0.5})
             a.token = self.agent_token
             (a.dir / "secrets" / "agent.token").write_text(self.agent_token)
             self.agents.append(a.start())

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from batchspawner import BatchSpawnerBase, JobStatus
 from traitlets import Dict, List, Unicode, default
 
-from gpuhub.config import read_secret
+from gpuhub.platform.config import read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json
 
 DEFAULT_PROFILES = [

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-from tornado.httpserver import HTTPServer
+from traitlets import Unicode
 
-from gpuhub.config import ConfigError, load_scheduler_config, read_secret
+from gpuhub.platform.daemon import Daemon
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import Scheduler
 
 log = logging.getLogger("gpuhub.scheduler")
@@ -41,40 +40,41 @@ async def maintenance_loop(scheduler: Scheduler, heal_every_s: float = 2.0, reco
         await asyncio.sleep(heal_every_s)
 
 
-async def serve(scheduler: Scheduler, token: str) -> None:
-    scheduler.load()
-    users = HubUserResolver(scheduler.config.hub_api_url, scheduler.config.static_user_tokens)
-    server = HTTPServer(make_app(scheduler, token, users))
-    server.listen(scheduler.config.port, address=scheduler.config.listen_address)
-    log.info("gpuhub-scheduler listening on %s:%d (%d kernel(s) in the books)",
-             scheduler.config.listen_address, scheduler.config.port, len(scheduler.kernels))
-    task = asyncio.create_task(maintenance_loop(scheduler))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("gpuhub-scheduler stopping; kernels keep running")
-    server.stop()
-    task.cancel()
-    scheduler.save()
+class SchedulerDaemon(Daemon):
+    name = "gpuhub-scheduler"
+    description = __doc__
+    classes = [SchedulerConfig]
+    settings_class = SchedulerConfig
+    config_file = Unicode("/etc/gpuhub/scheduler.toml", config=True, help="The TOML config file.")
+    quiet_paths = ("/metrics", "/api/v1/nodes/heartbeat")
+    stop_message = "stopping; kernels keep running"
+
+    def secret_files(self) -> dict[str, str]:
+        return {"scheduler": self.settings.token_file, "agent": self.settings.agent_token_file}
+
+    def init_service(self) -> None:
+        self.scheduler = Scheduler(self.settings, self.secrets["agent"])
+
+    async def prepare(self) -> None:
+        self.scheduler.load()
+
+    def make_web_app(self):
+        users = HubUserResolver(self.settings.hub_api_url, self.settings.static_user_tokens)
+        return make_app(self.scheduler, self.secrets["scheduler"], users)
+
+    def listening_message(self) -> str:
+        return (f"gpuhub-scheduler listening on {self.settings.listen_address}:{self.settings.port} "
+                f"({len(self.scheduler.kernels)} kernel(s) in the books)")
+
+    def background(self) -> list:
+        return [maintenance_loop(self.scheduler)]
+
+    def on_stop(self) -> None:
+        self.scheduler.save()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuhub-scheduler", description=__doc__)
-    parser.add_argument("--config", default="/etc/gpuhub/scheduler.toml")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_scheduler_config(args.config)
-        token = read_secret(config.token_file, "scheduler")
-        agent_token = read_secret(config.agent_token_file, "agent")
-    except ConfigError as exc:
-        print(f"gpuhub-scheduler: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(Scheduler(config, agent_token), token))
-    return 0
+    return SchedulerDaemon.main(argv)
 
 
 if __name__ == "__main__":

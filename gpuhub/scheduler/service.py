@@ -13,9 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpuhub.config import SchedulerConfig
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.store import CorruptStore, JsonStore
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from gpuhub.agent.ports import (
 )
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
-from gpuhub.config import AgentConfig
+from gpuhub.agent.config import AgentConfig
 
 
 def agent(tmp_path) -> Agent:

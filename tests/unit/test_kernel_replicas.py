@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from gpuhub.agent.units import ProcessRunner
-from gpuhub.config import SchedulerConfig
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.dev.cluster import SchedulerProcess, current_user
 from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gpuhub.config import SchedulerConfig
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import KernelRecord, NodeRecord, ReplicaRecord, Scheduler
 
 

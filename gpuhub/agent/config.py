@@ -1,0 +1,64 @@
+"""gpuhub-agent's settings: the keys of /etc/gpuhub/agent.toml (``gpuhub-agent --help-all`` lists them)."""
+
+from __future__ import annotations
+
+import os
+
+from traitlets import Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
+from traitlets.config import Configurable
+
+
+class AgentConfig(Configurable):
+    """The agent's settings; in the TOML file as top-level keys."""
+
+    node_name = Unicode(config=True, help="This node's name in the scheduler's books (default: the host name).")
+    listen_address = Unicode("127.0.0.1", config=True, help="Address the agent's HTTP API listens on.")
+    port = Int(8601, min=1, max=65535, config=True, help="Port of the agent's HTTP API.")
+    advertise_url = Unicode(
+        config=True,
+        help="URL the scheduler and the hub reach this agent at (default: http://{kernel_ip}:{port}).",
+    )
+    kernel_ip = Unicode("127.0.0.1", config=True, help="Address kernel units listen on (their ZMQ, Raft and blob ports).")
+    token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
+                         help="File with the token callers of this agent's API present (mode 0600).")
+    scheduler_url = Unicode(config=True, help="gpuhub-scheduler's URL to heartbeat to; empty: no heartbeats.")
+    scheduler_token_file = Unicode("/etc/gpuhub/secrets/scheduler.token", config=True,
+                                   help="File with the scheduler's token, read only when scheduler_url is set.")
+    state_dir = Unicode("/var/lib/gpuhub/agent", config=True, help="Directory of the agent's state (units, leases).")
+    runtime_dir = Unicode("/run/gpuhub", config=True, help="Directory of the units' runtime files.")
+    venv = Unicode("/opt/gpuhub/venv", config=True, help="The gpuhub virtual environment units run from.")
+    unit_backend = Enum(["systemd", "process"], default_value="systemd", config=True,
+                        help="How units run: 'systemd' (transient units) or 'process' (plain child processes, "
+                             "for development).")
+    min_uid = Int(1000, config=True, help="Lowest uid a unit may run as (keeps system accounts out).")
+    roles = List(Unicode(), default_value=["gpu", "notebook"], config=True,
+                 help="What this node hosts: 'gpu' (kernel replicas) and/or 'notebook' (users' Jupyter servers).")
+    heartbeat_interval_s = Float(5.0, config=True, help="Seconds between heartbeats to the scheduler.")
+    lease_check_interval_s = Float(2.0, config=True, help="Seconds between checks for expired GPU leases.")
+    # Below Linux's ephemeral range (32768-60999), so no outgoing connection grabs one between
+    # allocation and bind, and a known range to open between GPU nodes and notebook hosts in a firewall.
+    kernel_ports = List(Int(), default_value=[20000, 29999], config=True,
+                        help="[first, last]: the ports of kernel units (5 Jupyter + Raft + blob each), "
+                             "at least 7, from 1024 up.")
+    gpus = Dict(config=True, help="GPU inventory: backend = 'auto', 'nvml', 'fake' or 'none'; fake = [{name, memory_mib}].")
+    limits = Dict(config=True, help="Resource limits of units: kernel_memory_max, kernel_cpu_quota, "
+                                    "server_memory_max, server_cpu_quota (systemd values).")
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        # Empty (unset, or "" in the file): derived once, from the final kernel_ip and port.
+        if not self.advertise_url:
+            self.advertise_url = f"http://{self.kernel_ip}:{self.port}"
+
+    @default("node_name")
+    def _default_node_name(self) -> str:
+        return os.uname().nodename
+
+    @validate("kernel_ports")
+    def _check_kernel_ports(self, proposal) -> list:
+        ports = proposal.value
+        if (len(ports) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+                or not 1024 <= ports[0] <= ports[1] - 6 <= 65535 - 6):
+            raise TraitError(f"kernel_ports must be [first, last] with 1024 <= first and at least 7 ports "
+                             f"up to 65535, not {ports!r}")
+        return ports
