@@ -22,11 +22,11 @@ from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import child, hugepages
 from gpuhub.kernel.delta import namespace_delta
-from gpuhub.replication.blobs import digest
 from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
+from gpuhub.replication.digest import digest
 from gpuhub.replication.log import CellOutcome
 
 log = logging.getLogger("gpuhub.kernel")

@@ -50,7 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhub.kernel import hugepages
-from gpuhub.replication import blobs, oob
+from gpuhub.replication import blobclient, oob
+from gpuhub.replication.blobserver import BlobServer
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
 
@@ -137,10 +140,10 @@ class Replica:
         # files (see load_value), so a cell writing them in place never changes a stored blob.
         self.cells_in_process = cells_in_process
         # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
-        self.store = blobs.BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
-                                     file_backed=cells_in_process)
+        self.store = BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
+                               file_backed=cells_in_process)
         host, port = self.me.blob.rsplit(":", 1)
-        self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
+        self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
         others = [p.raft for p in peers if p.id != replica_id]
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))
@@ -277,7 +280,7 @@ class Replica:
         to_push: dict[str, bytes] = {}
         known_digests = known_digests or {}
         for name, data in pickles.items():
-            d = known_digests.get(name) or blobs.digest(data)
+            d = known_digests.get(name) or digest(data)
             small = len(data) <= self.settings.inline_max_bytes
             entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
             if not small:
@@ -287,7 +290,7 @@ class Replica:
                     hugepages.collapse_later(data)
         if to_push:
             # Best effort: a replica that missed a blob fetches it from a peer when it applies.
-            for addr, err in blobs.push_all(self.other_blob_addrs(), self.key, to_push).items():
+            for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, to_push).items():
                 if err:
                     log.warning("could not push %d value(s) to %s: %s", len(to_push), addr, err)
         self.raft.call("complete", cell, attempt, self.id, status, entries, list(deleted), execution_count)
@@ -335,7 +338,7 @@ class Replica:
         if data is None:
             data = self.store.get(entry.digest)
             if data is None:
-                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
+                data = blobclient.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
         if oob.is_layout(data):
             value = oob.loads(data, self._buffer_source(entry.digest, data))
         else:

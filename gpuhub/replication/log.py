@@ -2,7 +2,7 @@
 
 The log carries small things only: executor proposals and votes, and for each finished cell the
 names it changed (small values inline, large values as a content digest whose bytes travel beside
-the log, see :mod:`gpuhub.replication.blobs`). The state below is what a snapshot holds, so a
+the log, see :mod:`gpuhub.replication.blobclient`). The state below is what a snapshot holds, so a
 replica that restarts, or a new one, rebuilds the namespace from it plus the blobs.
 
 Entries are applied on pysyncobj's thread; waiters on the kernel's thread sleep on ``changed``.
