@@ -147,7 +147,7 @@ class GpuhubKernel(IPythonKernel):
             if decision.outcome is not None:  # this replica is late: the cell already ended
                 return self._follow(decision.outcome)
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
-                      decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader())
+                      decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor == rep.id:
                 self._show_startup_notice()
                 return await self._run_here(cell, attempt, grant, code, silent, store_history,

@@ -180,7 +180,7 @@ class Replica:
         outcome = self.state.outcomes.get(cell)
         peer = self.peers.get(outcome.by) if outcome is not None else None
         if peer is not None and peer.id != self.id:
-            self.raft.hand_leadership_to(peer.raft)
+            self.raft.transfer_leadership_to(peer.raft)
 
     def wait_ready(self) -> None:
         if not self.raft.wait_ready(self.settings.ready_timeout_s):
@@ -209,7 +209,7 @@ class Replica:
         while not self._closing.wait(interval_s):
             try:
                 self.reload_peers()
-                if self.raft.is_leader():
+                if self.raft.is_leader:
                     done = self.raft.change_membership(
                         {p.raft for p in self.peers.values() if p.id != self.id})
                     if done:
@@ -241,7 +241,7 @@ class Replica:
 
     def elect(self, cell: str, attempt: int, lead: bool) -> Decision:
         """Propose, then wait until the log says who runs this attempt (or the cell ended)."""
-        self.raft.call("propose", cell, attempt, self.id, lead)
+        self.raft.propose(cell, attempt, self.id, lead)
         first_seen = time.monotonic()
         voted = False
         while True:
@@ -257,7 +257,7 @@ class Replica:
                 if timed_out and not voted and e is not None:
                     choice = local_choice(e, timed_out=True)
             if choice is not None:
-                self.raft.call("vote", cell, attempt, self.id, choice)
+                self.raft.vote(cell, attempt, self.id, choice)
                 voted = True
                 continue
             self._wait(lambda: cell in self.state.outcomes or (
@@ -266,7 +266,7 @@ class Replica:
 
     def abort(self, cell: str, attempt: int, reason: str, detail: str, execution_count: int) -> CellOutcome:
         """Propose ending the cell without a result; the first ending committed wins."""
-        self.raft.call("abort", cell, attempt, self.id, reason, detail, execution_count)
+        self.raft.abort(cell, attempt, self.id, reason, detail, execution_count)
         self._wait(lambda: cell in self.state.outcomes, 30)
         return self.state.outcomes[cell]
 
@@ -293,7 +293,7 @@ class Replica:
             for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, to_push).items():
                 if err:
                     log.warning("could not push %d value(s) to %s: %s", len(to_push), addr, err)
-        self.raft.call("complete", cell, attempt, self.id, status, entries, list(deleted), execution_count)
+        self.raft.complete(cell, attempt, self.id, status, entries, list(deleted), execution_count)
         # The call returns when the leader applied it; wait until this replica did too.
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
