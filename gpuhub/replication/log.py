@@ -63,7 +63,6 @@ class KernelLog(SyncObjConsumer):
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
         self.outcomes: OrderedDict[str, CellOutcome] = OrderedDict()
-        self.epoch = 0  # bumped by a restart of the kernel (fresh namespace)
 
     # --- helpers (not replicated) ---------------------------------------------
     def _election(self, cell: str, attempt: int) -> Election | None:
@@ -93,6 +92,8 @@ class KernelLog(SyncObjConsumer):
         return getattr(self, entry)(*args, _doApply=True)  # pysyncobj's flag for "apply, do not replicate"
 
     # --- replicated entries -----------------------------------------------------
+    # pysyncobj numbers these by sorted name, and journals and peers carry the numbers: adding,
+    # removing or renaming one changes the format (replicas of one kernel must run the same one).
     @replicated
     def propose(self, cell: str, attempt: int, replica: int, lead: bool) -> None:
         with self.changed:
@@ -148,18 +149,6 @@ class KernelLog(SyncObjConsumer):
             self._finish(cell, CellOutcome("abort", attempt, reporter, reason, detail, self.execution_count))
             self._applied("abort", cell)
             return True
-
-    @replicated
-    def reset(self, epoch: int) -> None:
-        """A fresh namespace on every replica (kernel restart)."""
-        with self.changed:
-            if epoch > self.epoch:
-                self.epoch = epoch
-                self.names.clear()
-                self.execution_count = 0
-                self.previous_executor = None
-                self.elections.clear()
-            self._applied("reset", "")
 
 
 def raft_password(key: bytes) -> str:

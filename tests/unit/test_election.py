@@ -294,17 +294,6 @@ def test_retried_proposal_changes_nothing():
     assert log.elections[("a", 0)].proposals == {0: YIELD} and log.elections[("a", 0)].outcome is None
 
 
-def test_reset_clears_the_namespace_once_per_epoch():
-    log = KernelLog(members=3)
-    complete(log, "a", 0, 1, x=1)
-    log.apply("propose", "b", 0, 0, LEAD)
-    log.apply("reset", 1)
-    assert (log.names, log.execution_count, log.previous_executor, log.elections) == ({}, 0, None, {})
-    complete(log, "b", 0, 0, x=2)
-    log.apply("reset", 1)  # a repeated reset of the same epoch changes nothing
-    assert log.names["x"].inline == b"2"
-
-
 # --- one election, any interleaving -------------------------------------------------------------
 ACTIONS = ["propose", "propose", "retry", "commit", "commit", "commit", "apply", "apply", "apply",
            "apply", "timeout", "timeout", "die"]
