@@ -26,7 +26,10 @@ import time
 
 import numpy as np
 
-from gpuhub.replication.blobs import BlobServer, BlobStore, digest, push_all
+from gpuhub.replication.blobclient import push_all
+from gpuhub.replication.blobserver import BlobServer
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 
 CONFIGS = {  # name -> (spare buffers, verify on receipt, memfd store)
     "cold": (False, True, False),

@@ -21,7 +21,9 @@ import time
 import cloudpickle
 import numpy as np
 
-from gpuhub.replication import blobs, oob
+from gpuhub.replication import oob
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 
 
 def _longest_stall(load) -> tuple[float, float]:
@@ -52,12 +54,12 @@ def _longest_stall(load) -> tuple[float, float]:
 def run(size_bytes: int = 1 << 30, repeats: int = 3) -> dict[str, list[tuple[float, float]]]:
     value = np.ones(size_bytes // 8)
     inband = cloudpickle.dumps(value, protocol=5)
-    store = blobs.BlobStore(file_backed=True)
+    store = BlobStore(file_backed=True)
     layout = oob.dumps(value)
     buf = store.alloc(layout.nbytes)
     view = memoryview(buf)[:layout.nbytes]
     layout.write_into(view)
-    d = blobs.digest(view)
+    d = digest(view)
     view.release()
     store.adopt(d, buf, layout.nbytes)
     del buf

@@ -13,7 +13,7 @@ import cloudpickle
 
 from gpuhub.kernel import devices, dirty
 from gpuhub.replication import oob
-from gpuhub.replication.blobs import digest, fill_and_digest  # one content hash for all
+from gpuhub.replication.digest import digest, fill_and_digest  # one content hash for all
 
 IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), frozenset, range, types.ModuleType,
              types.FunctionType, types.BuiltinFunctionType, type)

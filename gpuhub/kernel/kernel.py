@@ -3,6 +3,8 @@ holding a per-cell GPU lease (DESIGN D2). CPU-only kernels execute in-process, a
 
 A kernel started with a peers file is one replica of a Raft group (gpuhub/kernel/replica.py):
 every cell first elects its executor, only the executor runs it, the others load what it changed.
+The agent always gives a kernel its peers file (a group of one at least); only a CPU kernel may
+run without one, started by hand, as a plain IPython kernel.
 
 Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_replicated` (election)
 → :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.child.run`.
@@ -22,11 +24,11 @@ from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import child, hugepages
 from gpuhub.kernel.delta import namespace_delta
-from gpuhub.replication.blobs import digest
 from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
+from gpuhub.replication.digest import digest
 from gpuhub.replication.log import CellOutcome
 
 log = logging.getLogger("gpuhub.kernel")
@@ -69,6 +71,10 @@ class GpuhubKernel(IPythonKernel):
         if self.gpus > 0:
             child.warm_up(self.shell)  # every GPU cell's child starts from these caches
         self.replica = Replica.from_env(self.session.key, cells_in_process=self.gpus == 0)
+        if self.replica is None and self.gpus > 0:
+            # a GPU cell gets its lease through the group's election (a group of one at least)
+            raise RuntimeError("gpuhub: a GPU kernel runs in a group of replicas and GPUHUB_PEERS_FILE "
+                               "is unset; start it through the agent or `gpuhub local-kernel`")
         if self.replica is not None:
             self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
             self._join_group()
@@ -114,12 +120,9 @@ class GpuhubKernel(IPythonKernel):
         if self.replica is not None:
             return await self._execute_replicated(code, silent, store_history, user_expressions, allow_stdin,
                                                   cell_meta=cell_meta, cell_id=cell_id)
-        self._show_startup_notice()
-        if self.gpus == 0:
-            return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
-                                            cell_meta=cell_meta, cell_id=cell_id)
-        self._allow_stdin = allow_stdin
-        return self._execute_in_child(code, silent, store_history, user_expressions or {})
+        self._show_startup_notice()  # a CPU kernel started by hand, without a group: plain ipykernel
+        return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
+                                        cell_meta=cell_meta, cell_id=cell_id)
 
     def _show_startup_notice(self) -> None:
         if self._startup_notice:
@@ -147,7 +150,7 @@ class GpuhubKernel(IPythonKernel):
             if decision.outcome is not None:  # this replica is late: the cell already ended
                 return self._follow(decision.outcome)
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
-                      decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader())
+                      decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor == rep.id:
                 self._show_startup_notice()
                 return await self._run_here(cell, attempt, grant, code, silent, store_history,
@@ -267,30 +270,6 @@ class GpuhubKernel(IPythonKernel):
         self.shell.execution_count += 1
         return {"status": "error", "ename": ename, "evalue": evalue, "traceback": tb,
                 "execution_count": self.shell.execution_count - 1, "user_expressions": {}, "payload": []}
-
-    def _execute_in_child(self, code: str, silent: bool, store_history: bool, user_expressions: dict) -> dict:
-        shell = self.shell
-        if self.lease_client is None:
-            return self._error_reply("GpuhubError", "this GPU kernel has no GPU agent to ask (GPUHUB_AGENT_URL unset)")
-        self._interrupted.clear()
-        asked = time.monotonic()
-        self.reaper.wait()  # the previous cell's grant must be back before this one asks
-        reaped = time.monotonic()
-        try:
-            grant = self.lease_client.acquire(self.gpus, self.grant_timeout_s, on_wait=sys.stderr.write,
-                                        cancelled=self._interrupted.is_set)
-        except LeaseError as exc:
-            return self._error_reply(type(exc).__name__, str(exc))
-        granted = time.monotonic()
-        self._phases = {"reap": reaped - asked, "grant": granted - reaped}
-        cell = self.get_parent("shell")["header"]["msg_id"]
-        reply, delta = self._run_child(shell, code, silent, store_history, user_expressions, grant, cell)
-        self._phases["child"] = time.monotonic() - granted
-        if delta is not None:
-            self._apply_delta(delta)
-        self._phases["apply"] = time.monotonic() - granted - self._phases["child"]
-        log.debug("cell %s: %s", cell, ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
-        return reply
 
     def _run_child(self, shell, code, silent, store_history, user_expressions, grant,
                    cell: str) -> tuple[dict, dict | None]:
@@ -435,8 +414,7 @@ class GpuhubKernel(IPythonKernel):
             if not self._signal_cell(signal.SIGINT) and self._running_here:
                 super()._send_interrupt_children()
             return
-        if not self._signal_cell(signal.SIGINT) and self.gpus == 0:
-            super()._send_interrupt_children()
+        super()._send_interrupt_children()  # no group: a CPU kernel, its cells run in this process
 
     def do_shutdown(self, restart):
         self._signal_cell(signal.SIGKILL)

@@ -50,7 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhub.kernel import hugepages
-from gpuhub.replication import blobs, oob
+from gpuhub.replication import blobclient, oob
+from gpuhub.replication.blobserver import BlobServer
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
 
@@ -137,10 +140,10 @@ class Replica:
         # files (see load_value), so a cell writing them in place never changes a stored blob.
         self.cells_in_process = cells_in_process
         # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
-        self.store = blobs.BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
-                                     file_backed=cells_in_process)
+        self.store = BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
+                               file_backed=cells_in_process)
         host, port = self.me.blob.rsplit(":", 1)
-        self.blob_server = blobs.BlobServer(self.store, key, host, int(port), log=log)
+        self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
         others = [p.raft for p in peers if p.id != replica_id]
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))
@@ -177,7 +180,7 @@ class Replica:
         outcome = self.state.outcomes.get(cell)
         peer = self.peers.get(outcome.by) if outcome is not None else None
         if peer is not None and peer.id != self.id:
-            self.raft.hand_leadership_to(peer.raft)
+            self.raft.transfer_leadership_to(peer.raft)
 
     def wait_ready(self) -> None:
         if not self.raft.wait_ready(self.settings.ready_timeout_s):
@@ -206,7 +209,7 @@ class Replica:
         while not self._closing.wait(interval_s):
             try:
                 self.reload_peers()
-                if self.raft.is_leader():
+                if self.raft.is_leader:
                     done = self.raft.change_membership(
                         {p.raft for p in self.peers.values() if p.id != self.id})
                     if done:
@@ -238,7 +241,7 @@ class Replica:
 
     def elect(self, cell: str, attempt: int, lead: bool) -> Decision:
         """Propose, then wait until the log says who runs this attempt (or the cell ended)."""
-        self.raft.call("propose", cell, attempt, self.id, lead)
+        self.raft.propose(cell, attempt, self.id, lead)
         first_seen = time.monotonic()
         voted = False
         while True:
@@ -254,7 +257,7 @@ class Replica:
                 if timed_out and not voted and e is not None:
                     choice = local_choice(e, timed_out=True)
             if choice is not None:
-                self.raft.call("vote", cell, attempt, self.id, choice)
+                self.raft.vote(cell, attempt, self.id, choice)
                 voted = True
                 continue
             self._wait(lambda: cell in self.state.outcomes or (
@@ -263,7 +266,7 @@ class Replica:
 
     def abort(self, cell: str, attempt: int, reason: str, detail: str, execution_count: int) -> CellOutcome:
         """Propose ending the cell without a result; the first ending committed wins."""
-        self.raft.call("abort", cell, attempt, self.id, reason, detail, execution_count)
+        self.raft.abort(cell, attempt, self.id, reason, detail, execution_count)
         self._wait(lambda: cell in self.state.outcomes, 30)
         return self.state.outcomes[cell]
 
@@ -277,7 +280,7 @@ class Replica:
         to_push: dict[str, bytes] = {}
         known_digests = known_digests or {}
         for name, data in pickles.items():
-            d = known_digests.get(name) or blobs.digest(data)
+            d = known_digests.get(name) or digest(data)
             small = len(data) <= self.settings.inline_max_bytes
             entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
             if not small:
@@ -287,10 +290,10 @@ class Replica:
                     hugepages.collapse_later(data)
         if to_push:
             # Best effort: a replica that missed a blob fetches it from a peer when it applies.
-            for addr, err in blobs.push_all(self.other_blob_addrs(), self.key, to_push).items():
+            for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, to_push).items():
                 if err:
                     log.warning("could not push %d value(s) to %s: %s", len(to_push), addr, err)
-        self.raft.call("complete", cell, attempt, self.id, status, entries, list(deleted), execution_count)
+        self.raft.complete(cell, attempt, self.id, status, entries, list(deleted), execution_count)
         # The call returns when the leader applied it; wait until this replica did too.
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
@@ -335,7 +338,7 @@ class Replica:
         if data is None:
             data = self.store.get(entry.digest)
             if data is None:
-                data = blobs.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
+                data = blobclient.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
         if oob.is_layout(data):
             value = oob.loads(data, self._buffer_source(entry.digest, data))
         else:

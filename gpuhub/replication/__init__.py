@@ -1,0 +1,10 @@
+"""How a kernel's replicas stay equal (DESIGN D4), one job per module:
+
+- ``election``: the pure rule that picks a cell's executor;
+- ``log``: the Raft log (pysyncobj): the replicated state machine and the typed group callers use;
+- ``digest``: the one content hash (SHA-256 tree) that names values everywhere;
+- ``oob``: pickles whose large buffers travel out of band, loadable without copies;
+- large values travel beside the log, named there by digest: ``blobstore`` (a replica's values in
+  memory), ``blobserver`` (answers its peers), ``blobclient`` (push to / fetch from peers),
+  ``blobwire`` (the authenticated protocol between the two).
+"""

@@ -2,7 +2,7 @@
 
 The log carries small things only: executor proposals and votes, and for each finished cell the
 names it changed (small values inline, large values as a content digest whose bytes travel beside
-the log, see :mod:`gpuhub.replication.blobs`). The state below is what a snapshot holds, so a
+the log, see :mod:`gpuhub.replication.blobclient`). The state below is what a snapshot holds, so a
 replica that restarts, or a new one, rebuilds the namespace from it plus the blobs.
 
 Entries are applied on pysyncobj's thread; waiters on the kernel's thread sleep on ``changed``.
@@ -48,7 +48,9 @@ class CellOutcome:
 
 
 class KernelLog(SyncObjConsumer):
-    """The replicated state of one kernel. Only ``@replicated`` methods change it."""
+    """The replicated state of one kernel. Only ``@replicated`` methods change it: a replica
+    commits them through :class:`RaftGroup`, and pysyncobj applies each committed entry on every
+    replica; :meth:`apply` applies one to this copy alone."""
 
     def __init__(self, members: int) -> None:
         # Set before the base __init__: pysyncobj leaves these out of snapshots.
@@ -61,7 +63,6 @@ class KernelLog(SyncObjConsumer):
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
         self.outcomes: OrderedDict[str, CellOutcome] = OrderedDict()
-        self.epoch = 0  # bumped by a restart of the kernel (fresh namespace)
 
     # --- helpers (not replicated) ---------------------------------------------
     def _election(self, cell: str, attempt: int) -> Election | None:
@@ -85,7 +86,14 @@ class KernelLog(SyncObjConsumer):
         if self.on_apply is not None:
             self.on_apply(kind, cell)
 
+    def apply(self, entry: str, *args):
+        """Apply one entry (``"propose"``, ``"vote"``, ``"complete"``, ``"abort"``) to this copy
+        only, as pysyncobj does once it is committed: replays and tests, no group needed."""
+        return getattr(self, entry)(*args, _doApply=True)  # pysyncobj's flag for "apply, do not replicate"
+
     # --- replicated entries -----------------------------------------------------
+    # pysyncobj numbers these by sorted name, and journals and peers carry the numbers: adding,
+    # removing or renaming one changes the format (replicas of one kernel must run the same one).
     @replicated
     def propose(self, cell: str, attempt: int, replica: int, lead: bool) -> None:
         with self.changed:
@@ -142,18 +150,6 @@ class KernelLog(SyncObjConsumer):
             self._applied("abort", cell)
             return True
 
-    @replicated
-    def reset(self, epoch: int) -> None:
-        """A fresh namespace on every replica (kernel restart)."""
-        with self.changed:
-            if epoch > self.epoch:
-                self.epoch = epoch
-                self.names.clear()
-                self.execution_count = 0
-                self.previous_executor = None
-                self.elections.clear()
-            self._applied("reset", "")
-
 
 def raft_password(key: bytes) -> str:
     """The Raft group's password, derived from the kernel's connection key (which only the user's
@@ -162,11 +158,18 @@ def raft_password(key: bytes) -> str:
 
 
 class RaftGroup:
-    """One replica's membership in its kernel's Raft group."""
+    """One replica's membership in its kernel's Raft group: the typed API callers use.
 
+    Modelled on pysyncobj's batteries: :class:`KernelLog` is the replicated implementation,
+    this class the thin wrapper around it and the ``SyncObj`` that replicates it. Entries are
+    committed with typed methods (:meth:`propose`, :meth:`vote`, :meth:`complete`,
+    :meth:`abort`), each blocking until the leader applied it and retrying while a leader is
+    being elected; the state itself is read from :attr:`log`. Every use of pysyncobj's internals
+    is in this module.
+    """
 
     def __init__(self, self_addr: str, peer_addrs: list[str], key: bytes, journal_dir: str | None,
-                 members: int) -> None:
+                 members: int, *, connection_retry_s: float = 0.5) -> None:
         self.log = KernelLog(members)
         conf = SyncObjConf(
             appendEntriesUseBatch=False,  # else every commit waits for the batch tick (~100 ms)
@@ -176,47 +179,101 @@ class RaftGroup:
             dynamicMembershipChange=True,
             raftMinTimeout=0.4, raftMaxTimeout=1.0, connectionTimeout=2.0,
             bindRetryTime=0.2,
-            connectionRetryTime=0.5,  # default 5 s: a restarted peer would wait that long to rejoin
+            # default 5 s: a restarted peer would wait that long to rejoin
+            connectionRetryTime=connection_retry_s,
             useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
-        self.sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
+        self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.sync.isReady():
-                return True
-            time.sleep(0.02)
-        return False
+    # --- entries ----------------------------------------------------------------
+    def propose(self, cell: str, attempt: int, replica: int, lead: bool, *,
+                timeout_s: float = 30.0) -> None:
+        """``replica`` proposes to lead (``lead``) or to yield this attempt of ``cell``."""
+        self._commit("propose", self.log.propose, cell, attempt, replica, lead, timeout_s=timeout_s)
 
-    def call(self, method: str, *args, timeout_s: float = 30.0):
-        """Commit one entry; retries while a leader is being elected. Raises RaftUnavailable."""
+    def vote(self, cell: str, attempt: int, voter: int, choice: int, *,
+             timeout_s: float = 30.0) -> None:
+        """An explicit vote for ``choice`` (a replica, or ``election.FAILED``) after a timeout."""
+        self._commit("vote", self.log.vote, cell, attempt, voter, choice, timeout_s=timeout_s)
+
+    def complete(self, cell: str, attempt: int, executor: int, status: str,
+                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int, *,
+                 timeout_s: float = 30.0) -> bool:
+        """The executor's end of ``cell``; False if another end committed first."""
+        return self._commit("complete", self.log.complete, cell, attempt, executor, status, changed,
+                            deleted, execution_count, timeout_s=timeout_s)
+
+    def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str,
+              execution_count: int, *, timeout_s: float = 30.0) -> bool:
+        """End ``cell`` without a result; False if another end committed first."""
+        return self._commit("abort", self.log.abort, cell, attempt, reporter, reason, detail,
+                            execution_count, timeout_s=timeout_s)
+
+    def _commit(self, name: str, entry, *args, timeout_s: float):
+        """Commit one entry (``entry``: a ``@replicated`` method of :attr:`log`); retries while a
+        leader is being elected. Raises RaftUnavailable."""
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         last = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RaftUnavailable(f"the kernel's replicas could not agree on {method!r} within "
+                raise RaftUnavailable(f"the kernel's replicas could not agree on {name!r} within "
                                       f"{timeout_s:g} s ({last}); is a majority of them alive?")
             try:
-                return getattr(self.log, method)(*args, sync=True, timeout=min(remaining, 5.0))
+                return entry(*args, sync=True, timeout=min(remaining, 5.0))
             except SyncObjException as exc:
                 last = exc.errorCode
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def is_leader(self) -> bool:
-        return self.sync._isLeader()
+    # --- the group --------------------------------------------------------------
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._sync.isReady():
+                return True
+            time.sleep(0.02)
+        return False
 
+    @property
+    def ready(self) -> bool:
+        """Caught up with the group (journal and peers) since it started."""
+        return self._sync.isReady()
+
+    @property
+    def address(self) -> str:
+        """This replica's Raft address."""
+        return self._sync.selfNode.address
+
+    @property
+    def is_leader(self) -> bool:
+        # private: the public getStatus() builds a dict of everything, on every cell
+        return self._sync._isLeader()
+
+    @property
+    def leader(self) -> str | None:
+        """The last known leader's address (possibly outdated)."""
+        leader = self._sync.getStatus()["leader"]
+        return None if leader is None else str(leader)
+
+    @property
+    def log_length(self) -> int:
+        """Entries in this replica's Raft log since its last snapshot."""
+        return self._sync.getStatus()["log_len"]
+
+    @property
     def members(self) -> set[str]:
         """The other members' Raft addresses, as this replica's log has them now."""
         for _ in range(3):
             try:
-                return {n.address for n in self.sync.otherNodes}
+                return {n.address for n in self._sync.otherNodes}
             except RuntimeError:  # the Raft thread changed the set while it was copied; read again
                 continue
-        return {n.address for n in self.sync.otherNodes}
+        return {n.address for n in self._sync.otherNodes}
+
+    def connected(self, addr: str) -> bool:
+        return self._sync.getStatus().get(f"partner_node_status_server_{addr}", 0) == 2
 
     def change_membership(self, want: set[str], timeout_s: float = 10.0) -> str | None:
         """One Raft membership change toward ``want`` (the other members' addresses), on the leader.
@@ -225,12 +282,12 @@ class RaftGroup:
         while adding first would make a group of four that needs three, the newcomer included.
         Returns what was done (None: nothing to do); raises RaftUnavailable if it did not commit.
         """
-        have = self.members()
+        have = self.members
         gone, new = sorted(have - want), sorted(want - have)
         if gone:
-            what, addr, change = "remove", gone[0], self.sync.removeNodeFromCluster
+            what, addr, change = "remove", gone[0], self._sync.removeNodeFromCluster
         elif new:
-            what, addr, change = "add", new[0], self.sync.addNodeToCluster
+            what, addr, change = "add", new[0], self._sync.addNodeToCluster
         else:
             return None
         done = threading.Event()
@@ -246,17 +303,24 @@ class RaftGroup:
                                   f"{result.get('err', 'timeout')}")
         return f"{what} {addr}"
 
-    def hand_leadership_to(self, addr: str) -> None:
+    def transfer_leadership_to(self, addr: str) -> None:
         """If this replica leads, ask ``addr`` to take over (pysyncobj TimeoutNow; it must be fully
         caught up, else nothing happens). Call on the Raft thread (e.g. from ``on_apply``)."""
-        if self.sync._isLeader():
-            self.sync.transferLeadership(addr)
+        if self.is_leader:
+            self._sync.transferLeadership(addr)
 
-    def connected(self, addr: str) -> bool:
-        return self.sync.getStatus().get(f"partner_node_status_server_{addr}", 0) == 2
+    def compact_log(self) -> None:
+        """Snapshot the state now (pysyncobj does it by itself as the log grows)."""
+        self._sync.forceLogCompaction()
 
     def destroy(self) -> None:
-        self.sync.destroy()
+        """Ask pysyncobj's thread to stop (see :attr:`stopped`)."""
+        self._sync.destroy()
+
+    @property
+    def stopped(self) -> bool:
+        """pysyncobj's thread has ended: its port and journal are free."""
+        return not self._sync.tick_thread_alive()
 
 
 class RaftUnavailable(RuntimeError):

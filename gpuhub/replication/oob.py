@@ -15,7 +15,7 @@ handed to a ``buffer_callback`` instead (out of band), and the blob becomes:
   (copy-on-write), and a receiver holding it in memory gets page-aligned arrays;
 - the blob ends where the last buffer ends; padding bytes are zero.
 
-The blob's digest (``blobs.digest``) covers all of these bytes: exactly what travels, header and
+The blob's digest (``digest.digest``) covers all of these bytes: exactly what travels, header and
 padding included. :func:`parse` checks the layout before anything is unpickled and raises
 :class:`LayoutError` (a ``ValueError``) on any inconsistency: a wrong magic, a table or stream
 past the end, a misaligned, overlapping or out-of-order buffer, or trailing bytes.
@@ -74,7 +74,7 @@ class Layout:
 
     def write_range(self, dest: memoryview, lo: int, hi: int) -> None:
         """Write bytes ``lo:hi`` of the blob into the same range of ``dest``, so a caller can
-        hash each part while the next one is written (``blobs.fill_and_digest``)."""
+        hash each part while the next one is written (``digest.fill_and_digest``)."""
         dest = dest.cast("B") if dest.format != "B" else dest
         if len(dest) != self.nbytes:
             raise ValueError(f"destination is {len(dest)} bytes, the layout {self.nbytes}")

@@ -19,7 +19,8 @@ from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
-from gpuhub.replication import blobs, oob
+from gpuhub.replication import blobclient, oob
+from gpuhub.replication.digest import digest
 from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run
 
 
@@ -332,7 +333,7 @@ def _memfd_maps_at_least(pid: int, nbytes: int) -> bool:
 
 
 def _layout_digest(value) -> str:
-    return blobs.digest(oob.dumps(value).to_bytes())
+    return digest(oob.dumps(value).to_bytes())
 
 
 def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_kernel):
@@ -356,7 +357,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     d0 = _layout_digest(original)
 
     ok(cpu_kernel, "big += 1")  # the executor writes its own value in place
-    assert np.array_equal(oob.loads(blobs.fetch([addrs[executor]], key, d0)), original)
+    assert np.array_equal(oob.loads(blobclient.fetch([addrs[executor]], key, d0)), original)
 
     # The executor is lost: a follower that loaded `twin` copy-on-write runs the next cells.
     pid = cpu_kernel.pid(executor)
@@ -366,7 +367,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     node = executor_node(cpu_kernel)
     second = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
     assert second in followers
-    got = blobs.fetch([addrs[second]], key, d0)  # verified: the in-place write left it intact
+    got = blobclient.fetch([addrs[second]], key, d0)  # verified: the in-place write left it intact
     assert np.array_equal(oob.loads(got), original)
 
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,

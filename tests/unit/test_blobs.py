@@ -1,27 +1,20 @@
-"""Large values beside the Raft log (DESIGN D4): digest, store, and real sockets on 127.0.0.1."""
+"""Large values beside the Raft log (DESIGN D4): the blob server and client over real sockets on
+127.0.0.1 (authentication, verification on receipt, malformed requests)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from gpuhub.replication import blobs
-from gpuhub.replication.blobs import (
-    BlobError,
-    BlobServer,
-    BlobStore,
-    digest,
-    fetch,
-    push,
-    push_all,
-)
+from gpuhub.replication import blobclient, blobwire
+from gpuhub.replication.blobclient import BlobError, fetch, push, push_all
+from gpuhub.replication.blobserver import BlobServer
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 
 KEY = b"k" * 32
 
@@ -47,73 +40,6 @@ def free_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-# --- digest --------------------------------------------------------------------------------------
-def reference_digest(data: bytes, chunk: int) -> str:
-    leaves = b"".join(hashlib.sha256(data[i:i + chunk]).digest()
-                      for i in range(0, len(data), chunk))
-    return hashlib.sha256(blobs.TAG + len(data).to_bytes(8, "big") + leaves).hexdigest()
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.binary(max_size=600), chunk=st.sampled_from([1, 7, 64, 1000]))
-def test_digest_is_the_tree_hash_whatever_the_buffer_type(data, chunk):
-    saved, blobs.CHUNK = blobs.CHUNK, chunk  # small chunks: many leaves, hashed in the pool
-    try:
-        d = digest(data)
-        assert d == reference_digest(data, chunk)
-        assert d == digest(bytearray(data)) == digest(memoryview(data)) == digest(data)
-    finally:
-        blobs.CHUNK = saved
-    assert len(d) == 64 and int(d, 16) >= 0
-
-
-def test_digest_of_a_numpy_array_is_that_of_its_bytes():
-    a = np.arange(1000, dtype=np.float64).reshape(10, 100)
-    assert digest(a) == digest(a.tobytes()) != digest(a[:, :50].copy())
-    assert digest(b"") == reference_digest(b"", blobs.CHUNK)
-
-
-# --- store ---------------------------------------------------------------------------------------
-def test_store_put_get_retain():
-    s = BlobStore()
-    a, b = b"a" * 10, b"b" * 20
-    s.put(digest(a), a)
-    s.put(digest(b), b)
-    s.put(digest(b), b)  # idempotent
-    assert s.get(digest(a)) == a and s.has(digest(b)) and s.get("0" * 64) is None
-    assert s.nbytes == 30 and len(s) == 2
-    s.retain({digest(b)})
-    assert not s.has(digest(a)) and s.get(digest(b)) == b and s.nbytes == 20
-    s.retain(set())
-    assert len(s) == 0 and s.nbytes == 0
-
-
-def test_store_reuses_dropped_buffers_only_when_nothing_references_them():
-    s = BlobStore(spare_bytes=10_000)
-    buf = s.alloc(1000)
-    buf[:] = b"x" * 1000
-    s.adopt("a" * 64, buf, 1000)
-    del buf
-    view = s.get("a" * 64)
-    assert bytes(view) == b"x" * 1000 and view.readonly
-    s.retain(set())
-    assert s.spare_nbytes == 0  # a view is alive: the buffer must not be reused
-    del view
-
-    buf = s.alloc(900)
-    s.adopt("b" * 64, buf, 900)
-    del buf
-    assert len(s.get("b" * 64)) == 900 and s.nbytes == 900
-    s.retain(set())
-    assert s.spare_nbytes >= 900
-    again = s.alloc(800)  # the 900-byte spare fits within n + n/4
-    assert len(again) == 900 and s.spare_nbytes == 0
-    s.recycle(again)
-    assert s.spare_nbytes == 900
-    assert s.alloc(10) is not again and s.spare_nbytes == 900  # far smaller: fresh, spare kept
-
-
-# --- network -------------------------------------------------------------------------------------
 def test_put_get_round_trip(servers):
     (srv,) = servers(1)
     value = b"hello" * 1000
@@ -163,7 +89,7 @@ def test_fetch_falls_back_to_the_next_peer(servers):
 def test_wrong_key_is_refused_and_logged_without_the_key(servers, caplog):
     (srv,) = servers(1)
     wrong = b"not-the-key-0123456789"
-    caplog.set_level(logging.INFO, logger="gpuhub.replication.blobs")
+    caplog.set_level(logging.INFO, logger="gpuhub.replication.blobserver")
     with pytest.raises(BlobError, match="refused|authenticat"):
         push(srv.address, wrong, {digest(b"v"): b"v"})
     with pytest.raises(BlobError, match="not available"):
@@ -198,7 +124,7 @@ def test_corrupt_data_is_rejected(servers, caplog):
 
 def raw_request(addr: str, payload: bytes) -> bytes:
     """Authenticate, send ``payload`` as is, and return everything the server answers."""
-    sock = blobs._connect(addr, KEY, 5)
+    sock = blobclient._connect(addr, KEY, 5)
     with sock:
         sock.sendall(payload)
         sock.shutdown(socket.SHUT_WR)
@@ -230,7 +156,7 @@ def test_malformed_and_oversize_requests_are_refused_and_the_server_goes_on(serv
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"\xff" * 10_000)
         s.shutdown(socket.SHUT_WR)
-        assert s.recv(100).startswith(blobs.MAGIC)
+        assert s.recv(100).startswith(blobwire.MAGIC)
     assert len(srv.store) == 0
     push(srv.address, KEY, {d: b"v"})  # the next good request works
     assert bytes(fetch([srv.address], KEY, d)) == b"v"
@@ -262,7 +188,7 @@ def test_a_server_reuses_the_buffer_of_a_dropped_value(servers):
 
 def test_stop_returns_with_an_idle_connection_open(servers):
     (srv,) = servers(1)
-    sock = blobs._connect(srv.address, KEY, 5)
+    sock = blobclient._connect(srv.address, KEY, 5)
     try:
         srv.stop()
         assert sock.recv(1) == b""

@@ -19,7 +19,7 @@ import pytest
 
 from gpuhub.kernel import dirty, hugepages
 from gpuhub.kernel.delta import namespace_delta
-from gpuhub.replication.blobs import digest
+from gpuhub.replication.digest import digest
 
 MIB = 1 << 20
 MODES = {"cow": {"forked": True, "soft_dirty": False}}

@@ -2,8 +2,8 @@
 
 Raft guarantees one thing the election relies on: every replica applies the same committed
 sequence of entries, each at its own pace. The simulation below models exactly that: N
-``KernelLog`` objects (entries applied with ``_doApply=True``, which pysyncobj's ``@replicated``
-runs directly, no SyncObj needed), one shared committed list, and per replica the index it has
+``KernelLog`` objects (entries applied with ``KernelLog.apply``, as pysyncobj applies a committed
+entry, no SyncObj needed), one shared committed list, and per replica the index it has
 applied up to. Hypothesis draws the interleaving: replicas propose (or never do: dead), the log
 commits pending entries in any order, replicas apply at their own pace, election timeouts fire on
 a replica's own applied prefix, replicas die (their uncommitted entries may be lost).
@@ -93,7 +93,7 @@ class Sim:
     def apply_next(self, r: int) -> None:
         if self.applied[r] < len(self.committed):
             method, args = self.committed[self.applied[r]]
-            getattr(self.logs[r], method)(*args, _doApply=True)
+            self.logs[r].apply(method, *args)
             self.applied[r] += 1
             self.observe(r)
 
@@ -119,7 +119,7 @@ class Sim:
     def replay(self) -> KernelLog:
         fresh = KernelLog(members=self.n)
         for method, args in self.committed:
-            getattr(fresh, method)(*args, _doApply=True)
+            fresh.apply(method, *args)
         return fresh
 
 
@@ -190,13 +190,12 @@ def test_local_choice_ignores_outcome_and_a_decision_never_unmakes():
 # --- KernelLog: the state machine, entry by entry ----------------------------------------------------
 def complete(log: KernelLog, cell: str, attempt: int, executor: int, count: int = 1, **changed) -> bool:
     entries = {k: NameEntry(f"d-{v}", repr(v).encode(), 1) for k, v in changed.items()}
-    return log.complete(cell, attempt, executor, "ok", entries, [], count, _doApply=True)
+    return log.apply("complete", cell, attempt, executor, "ok", entries, [], count)
 
 
-def test_replicated_methods_apply_directly_without_a_syncobj():
+def test_entries_apply_directly_without_a_group():
     log = KernelLog(members=3)
-    assert log._syncObj is None
-    log.propose("a", 0, 2, LEAD, _doApply=True)
+    log.apply("propose", "a", 0, 2, LEAD)
     assert log.elections[("a", 0)].outcome == 2  # no previous executor: the first LEAD, no vote needed
     assert complete(log, "a", 0, 2, x=1) is True
     assert log.previous_executor == 2 and ("a", 0) not in log.elections
@@ -207,34 +206,34 @@ def test_replicated_methods_apply_directly_without_a_syncobj():
 def test_sticky_previous_executor_wins_over_an_earlier_lead():
     log = KernelLog(members=3)
     complete(log, "a", 0, 1)
-    log.propose("b", 0, 0, LEAD, _doApply=True)
-    log.propose("b", 0, 2, LEAD, _doApply=True)
+    log.apply("propose", "b", 0, 0, LEAD)
+    log.apply("propose", "b", 0, 2, LEAD)
     assert log.elections[("b", 0)].outcome is None  # waits for replica 1, the previous executor
-    log.propose("b", 0, 1, LEAD, _doApply=True)
+    log.apply("propose", "b", 0, 1, LEAD)
     assert log.elections[("b", 0)].outcome == 1
 
 
 def test_explicit_vote_first_wins_and_later_proposals_do_not_change_it():
     log = KernelLog(members=3)
     complete(log, "a", 0, 1)
-    log.propose("b", 0, 0, LEAD, _doApply=True)
-    log.vote("b", 0, 0, 0, _doApply=True)  # replica 0's timeout: replica 1 may be dead
-    log.vote("b", 0, 2, FAILED, _doApply=True)  # a later vote loses
-    log.propose("b", 0, 1, LEAD, _doApply=True)  # the previous executor, too late
+    log.apply("propose", "b", 0, 0, LEAD)
+    log.apply("vote", "b", 0, 0, 0)  # replica 0's timeout: replica 1 may be dead
+    log.apply("vote", "b", 0, 2, FAILED)  # a later vote loses
+    log.apply("propose", "b", 0, 1, LEAD)  # the previous executor, too late
     assert log.elections[("b", 0)].outcome == 0
 
 
 def test_abort_and_complete_first_wins_and_late_entries_are_ignored():
     log = KernelLog(members=3)
-    log.propose("a", 0, 0, LEAD, _doApply=True)
-    assert log.abort("a", 0, 1, "no-gpu", "", 1, _doApply=True) is True
+    log.apply("propose", "a", 0, 0, LEAD)
+    assert log.apply("abort", "a", 0, 1, "no-gpu", "", 1) is True
     assert complete(log, "a", 0, 0, x=1) is False  # the abort committed first
-    assert log.abort("a", 0, 2, "interrupted", "", 1, _doApply=True) is False
+    assert log.apply("abort", "a", 0, 2, "interrupted", "", 1) is False
     assert log.outcomes["a"].kind == "abort" and log.outcomes["a"].by == 1 and "x" not in log.names
     before = state_of(log)
-    log.propose("a", 0, 2, LEAD, _doApply=True)  # a retried call, committed late
-    log.propose("a", 1, 2, LEAD, _doApply=True)
-    log.vote("a", 0, 2, 2, _doApply=True)
+    log.apply("propose", "a", 0, 2, LEAD)  # a retried call, committed late
+    log.apply("propose", "a", 1, 2, LEAD)
+    log.apply("vote", "a", 0, 2, 2)
     assert state_of(log) == before  # no resurrected election
     assert not any(k[0] == "a" for k in log.elections)
 
@@ -242,30 +241,30 @@ def test_abort_and_complete_first_wins_and_late_entries_are_ignored():
 def test_abort_executor_lost_forgets_the_previous_executor():
     log = KernelLog(members=3)
     complete(log, "a", 0, 1)
-    log.abort("b", 0, 0, "executor-lost", "", 2, _doApply=True)
+    log.apply("abort", "b", 0, 0, "executor-lost", "", 2)
     assert log.previous_executor is None
-    log.propose("c", 0, 2, LEAD, _doApply=True)
+    log.apply("propose", "c", 0, 2, LEAD)
     assert log.elections[("c", 0)].outcome == 2  # no wait for the lost replica
     log2 = KernelLog(members=3)
     complete(log2, "a", 0, 1)
-    log2.abort("b", 0, 0, "no-gpu", "", 2, _doApply=True)
+    log2.apply("abort", "b", 0, 0, "no-gpu", "", 2)
     assert log2.previous_executor == 1  # other aborts keep it
 
 
 def test_proposals_for_a_future_cell_are_buffered_and_honoured():
     log = KernelLog(members=3)
     complete(log, "a", 0, 1)
-    log.propose("b", 0, 1, LEAD, _doApply=True)
-    log.propose("b", 0, 0, LEAD, _doApply=True)
+    log.apply("propose", "b", 0, 1, LEAD)
+    log.apply("propose", "b", 0, 0, LEAD)
     assert log.elections[("b", 0)].outcome == 1
     # replicas 0 and 2 already propose for "c" while "b" runs on replica 1
-    log.propose("c", 0, 0, YIELD, _doApply=True)
-    log.propose("c", 0, 2, LEAD, _doApply=True)
+    log.apply("propose", "c", 0, 0, YIELD)
+    log.apply("propose", "c", 0, 2, LEAD)
     assert log.elections[("c", 0)].outcome is None  # previous executor (1) not heard from
     complete(log, "b", 0, 1, count=2)
     e = log.elections[("c", 0)]
     assert list(e.proposals.items()) == [(0, YIELD), (2, LEAD)]  # kept across "b"'s end
-    log.propose("c", 0, 1, YIELD, _doApply=True)
+    log.apply("propose", "c", 0, 1, YIELD)
     assert e.outcome == 2
 
 
@@ -276,34 +275,23 @@ def test_a_buffered_election_keeps_the_previous_executor_as_of_its_first_entry()
     only after applying the previous cell's end, so elections are rarely buffered."""
     log = KernelLog(members=3)
     complete(log, "a", 0, 0)
-    log.propose("c", 0, 1, YIELD, _doApply=True)  # early, while "b" has not completed
-    log.propose("b", 0, 2, LEAD, _doApply=True)
-    log.propose("b", 0, 0, YIELD, _doApply=True)
+    log.apply("propose", "c", 0, 1, YIELD)  # early, while "b" has not completed
+    log.apply("propose", "b", 0, 2, LEAD)
+    log.apply("propose", "b", 0, 0, YIELD)
     complete(log, "b", 0, 2, count=2)
     assert log.previous_executor == 2
-    log.propose("c", 0, 2, LEAD, _doApply=True)
+    log.apply("propose", "c", 0, 2, LEAD)
     assert log.elections[("c", 0)].previous == 0
     assert log.elections[("c", 0)].outcome is None  # waits for replica 0, not decided for 2
-    log.propose("c", 0, 0, LEAD, _doApply=True)
+    log.apply("propose", "c", 0, 0, LEAD)
     assert log.elections[("c", 0)].outcome == 0
 
 
 def test_retried_proposal_changes_nothing():
     log = KernelLog(members=3)
-    log.propose("a", 0, 0, YIELD, _doApply=True)
-    log.propose("a", 0, 0, LEAD, _doApply=True)
+    log.apply("propose", "a", 0, 0, YIELD)
+    log.apply("propose", "a", 0, 0, LEAD)
     assert log.elections[("a", 0)].proposals == {0: YIELD} and log.elections[("a", 0)].outcome is None
-
-
-def test_reset_clears_the_namespace_once_per_epoch():
-    log = KernelLog(members=3)
-    complete(log, "a", 0, 1, x=1)
-    log.propose("b", 0, 0, LEAD, _doApply=True)
-    log.reset(1, _doApply=True)
-    assert (log.names, log.execution_count, log.previous_executor, log.elections) == ({}, 0, None, {})
-    complete(log, "b", 0, 0, x=2)
-    log.reset(1, _doApply=True)  # a repeated reset of the same epoch changes nothing
-    assert log.names["x"].inline == b"2"
 
 
 # --- one election, any interleaving -------------------------------------------------------------
@@ -416,7 +404,7 @@ def check_replay(sim: Sim, n: int) -> Counter:
         if method == "complete" and not finished:
             # the model completes only on a replica that saw itself elected: the log agrees
             assert ref.elections[(cell, args[1])].outcome == args[2]
-        result = getattr(ref, method)(*args, _doApply=True)
+        result = ref.apply(method, *args)
         if finished:
             assert state_of(ref) == before, (method, args)  # late entry: ignored, nothing resurrected
             assert result in (None, False)

@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 
 from gpuhub.replication import oob
-from gpuhub.replication.blobs import (
-    BlobError,
-    BlobServer,
-    BlobStore,
-    digest,
-    fetch,
-    push,
-)
+from gpuhub.replication.blobclient import BlobError, fetch, push
+from gpuhub.replication.blobserver import BlobServer
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
 from gpuhub.replication.oob import ALIGN, ENTRY, HEADER, MAGIC, LayoutError
 
 KEY = b"k" * 32

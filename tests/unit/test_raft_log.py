@@ -29,7 +29,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
 def stop(group: RaftGroup) -> None:
     """destroy() only asks pysyncobj's tick thread to stop: wait until it did (port and journal freed)."""
     group.destroy()
-    assert wait_until(lambda: not group.sync.tick_thread_alive(), 10), "pysyncobj thread still alive"
+    assert wait_until(lambda: group.stopped, 10), "pysyncobj thread still alive"
 
 
 @pytest.fixture
@@ -38,11 +38,10 @@ def make_group():
     made: list[RaftGroup] = []
 
     def make(addr: str, peers: list[str], key: bytes = KEY, journal_dir=None, members: int = 3) -> RaftGroup:
+        # Test speed only: a peer that was not listening yet is retried every 0.5 s by default,
+        # which only delays readiness; retry faster here.
         g = RaftGroup(addr, [p for p in peers if p != addr], key, str(journal_dir) if journal_dir else None,
-                      members)
-        # Test speed only: pysyncobj retries a peer that was not listening yet every 5 s by default
-        # (RaftGroup keeps that), which only delays readiness; retry faster here.
-        g.sync.conf.connectionRetryTime = FAST_RECONNECT_S
+                      members, connection_retry_s=FAST_RECONNECT_S)
         made.append(g)
         return g
 
@@ -50,7 +49,7 @@ def make_group():
     for g in made:
         g.destroy()
     for g in made:
-        wait_until(lambda g=g: not g.sync.tick_thread_alive(), 10)
+        wait_until(lambda g=g: g.stopped, 10)
 
 
 def addrs(n: int) -> list[str]:
@@ -62,8 +61,8 @@ def entry(value: str) -> NameEntry:
 
 
 def complete(group: RaftGroup, cell: str, executor: int, count: int, **names: str) -> bool:
-    return group.call("complete", cell, 0, executor, "ok", {k: entry(v) for k, v in names.items()}, [], count,
-                      timeout_s=10)
+    return group.complete(cell, 0, executor, "ok", {k: entry(v) for k, v in names.items()}, [], count,
+                          timeout_s=10)
 
 
 def state(group: RaftGroup) -> tuple:
@@ -82,11 +81,11 @@ def test_three_replicas_agree_on_the_election_and_the_names(make_group):
     a = addrs(3)
     groups = [make_group(addr, a) for addr in a]
     assert all(g.wait_ready(10) for g in groups)
-    assert wait_until(lambda: all(g.connected(p) for g in groups for p in a if p != g.sync.selfNode.address))
+    assert wait_until(lambda: all(g.connected(p) for g in groups for p in a if p != g.address))
 
-    groups[1].call("propose", "c1", 0, 1, True, timeout_s=10)  # committed via whichever is leader
-    groups[2].call("propose", "c1", 0, 2, True, timeout_s=10)
-    # call() returns once the leader applied the entry; the followers apply it a moment later
+    groups[1].propose("c1", 0, 1, True, timeout_s=10)  # committed via whichever is leader
+    groups[2].propose("c1", 0, 2, True, timeout_s=10)
+    # propose() returns once the leader applied the entry; the followers apply it a moment later
     assert wait_until(lambda: all(len(getattr(g.log.elections.get(("c1", 0)), "proposals", ())) == 2
                                   for g in groups))
     assert all(g.log.elections[("c1", 0)].proposals == {1: True, 2: True} for g in groups)
@@ -145,9 +144,9 @@ def test_a_snapshot_rebuilds_a_replica_that_lost_its_journal(make_group, tmp_pat
     expected = ({"v0": b"0", "v1": b"1", "v2": b"2"}, 3, 2, ["c0", "c1", "c2"])
     assert wait_until(lambda: all(state(g) == expected for g in groups))
     for g in groups:
-        g.sync.forceLogCompaction()
+        g.compact_log()
     assert wait_until(lambda: all((d / "raft.dump").exists() for d in dirs)), list(dirs[0].iterdir())
-    assert wait_until(lambda: all(g.sync.getStatus()["log_len"] <= 2 for g in groups))
+    assert wait_until(lambda: all(g.log_length <= 2 for g in groups))
 
     stop(groups[2])
     for f in dirs[2].iterdir():
@@ -175,7 +174,7 @@ def test_a_peer_with_the_wrong_key_gets_nothing_and_disturbs_nothing(make_group)
         assert complete(groups[i % 3], f"c{i}", i % 3, i + 1, x=str(i)) is True
     assert wait_until(lambda: all(state(g)[1] == 5 for g in groups))
     time.sleep(1.5)  # past pysyncobj's election timeouts: the intruder had every chance
-    assert not intruder.sync.isReady()
+    assert not intruder.ready
     assert state(intruder) == ({}, 0, None, [])
     assert not any(intruder.connected(p) for p in a)
     assert complete(groups[0], "c5", 0, 6, x="after") is True  # the good ones keep committing
@@ -191,20 +190,20 @@ def test_one_member_with_the_wrong_key_the_majority_still_commits(make_group):
     assert complete(good[0], "c2", 0, 2, y="2") is True
     assert wait_until(lambda: state(good[0]) == state(good[1]) == ({"x": b"1", "y": b"2"}, 2, 0, ["c1", "c2"]))
     time.sleep(1.0)
-    assert not bad.sync.isReady()
+    assert not bad.ready
     assert state(bad) == ({}, 0, None, [])
     assert not good[0].connected(a[2]) and not good[1].connected(a[2])
     with pytest.raises(RaftUnavailable):  # and it cannot commit anything itself
-        bad.call("propose", "c3", 0, 2, True, timeout_s=1.0)
+        bad.propose("c3", 0, 2, True, timeout_s=1.0)
     assert ("c3", 0) not in good[0].log.elections
 
 
-def test_call_raises_raft_unavailable_without_a_majority(make_group):
+def test_an_entry_raises_raft_unavailable_without_a_majority(make_group):
     a = addrs(3)  # the other two never start
     alone = make_group(a[0], a)
     started = time.monotonic()
     with pytest.raises(RaftUnavailable) as info:
-        alone.call("propose", "c1", 0, 0, True, timeout_s=1.0)
+        alone.propose("c1", 0, 0, True, timeout_s=1.0)
     elapsed = time.monotonic() - started
     assert 1.0 <= elapsed < 3.0
     message = str(info.value)
@@ -223,12 +222,12 @@ def test_raft_unavailable_after_the_majority_is_lost_is_not_a_rollback(make_grou
     groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
     assert all(g.wait_ready(10) for g in groups)
     assert complete(groups[0], "c1", 0, 1, x="1") is True
-    leader = a.index(str(groups[0].sync.getStatus()["leader"]))
+    leader = a.index(groups[0].leader)
     others = [i for i in range(3) if i != leader]
     for i in others:
         stop(groups[i])
     with pytest.raises(RaftUnavailable, match="majority"):
-        groups[leader].call("propose", "c2", 0, leader, True, timeout_s=1.5)
+        groups[leader].propose("c2", 0, leader, True, timeout_s=1.5)
     assert ("c2", 0) not in groups[leader].log.elections  # not applied: not committed (yet)
     back = [make_group(a[i], a, journal_dir=dirs[i]) for i in others]
     assert wait_until(lambda: all(("c2", 0) in g.log.elections for g in [groups[leader], *back]))

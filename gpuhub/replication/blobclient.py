@@ -1,0 +1,167 @@
+"""The blob client: the executing replica sends new values to its peers (:func:`push`,
+:func:`push_all`); a replica that lacks a value asks its peers for it (:func:`fetch`). Protocol:
+:mod:`gpuhub.replication.blobwire`."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import threading
+
+from gpuhub.replication import blobwire as wire
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import byte_view, check_digest
+
+__all__ = ["BlobError", "fetch", "push", "push_all"]
+
+
+class BlobError(RuntimeError):
+    """A push or fetch failed (peer down, refused, authentication, protocol or digest error)."""
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise BlobError(f"bad peer address {addr!r} (want host:port)")
+    return host.strip("[]"), int(port)
+
+
+def _connect(addr: str, key: bytes, timeout: float) -> socket.socket:
+    """Connect to a blob server and authenticate both ways."""
+    host, port = _split_addr(addr)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise BlobError(f"{addr}: cannot connect: {e}") from None
+    try:
+        wire.tune(sock)
+        hello = wire.recv_exact(sock, len(wire.MAGIC) + wire.NONCE)
+        if hello[:len(wire.MAGIC)] != wire.MAGIC:
+            raise BlobError(f"{addr}: not a gpuhub blob server")
+        ns, nc = hello[len(wire.MAGIC):], secrets.token_bytes(wire.NONCE)
+        sock.sendall(nc + wire.client_mac(key, ns, nc))
+        try:
+            answer = wire.recv_exact(sock, wire.MAC)
+        except (wire.Closed, ConnectionError):
+            raise BlobError(f"{addr}: authentication refused by the peer (wrong key?)") from None
+        if not hmac.compare_digest(answer, wire.server_mac(key, ns, nc)):
+            raise BlobError(f"{addr}: the peer failed to authenticate (wrong key?)")
+        return sock
+    except BaseException as e:
+        sock.close()
+        if isinstance(e, (wire.Closed, OSError)):
+            raise BlobError(f"{addr}: handshake failed: {e}") from None
+        raise
+
+
+def _read_reply(sock: socket.socket, addr: str) -> tuple[bytes, int]:
+    status, length = wire.REP.unpack(wire.recv_exact(sock, wire.REP.size))
+    if status == b"E":
+        msg = wire.recv_exact(sock, min(length, wire.MAX_MSG)).decode("utf-8", "replace")
+        raise BlobError(f"{addr}: {msg}")
+    return status, length
+
+
+
+def push(addr: str, key: bytes, items: dict[str, bytes | bytearray | memoryview],
+         timeout: float = 30) -> None:
+    """Send every ``digest -> value`` of ``items`` to the peer at ``host:port``; values it already
+    has are skipped. Raises :class:`BlobError` on any failure (some items may have been stored)."""
+    for d in items:
+        check_digest(d)
+    sock = _connect(addr, key, timeout)
+    try:
+        for d, data in items.items():
+            mv = byte_view(data)
+            sock.sendall(wire.REQ.pack(b"P", d.encode("ascii"), mv.nbytes))
+            status, _ = _read_reply(sock, addr)
+            if status == b"O":
+                continue
+            if status != b"C":
+                raise BlobError(f"{addr}: unexpected reply {status!r} to PUT")
+            wire.send_body(sock, mv)
+            status, _ = _read_reply(sock, addr)
+            if status != b"O":
+                raise BlobError(f"{addr}: unexpected reply {status!r} after PUT body")
+    except (wire.Closed, OSError) as e:
+        raise BlobError(f"{addr}: push failed: {e}") from None
+    finally:
+        sock.close()
+
+
+def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | memoryview],
+             timeout: float = 30) -> dict[str, str | None]:
+    """:func:`push` to every peer at once (a thread each); returns ``addr -> error text or None``."""
+    results: dict[str, str | None] = {}
+
+    def one(addr: str) -> None:
+        try:
+            push(addr, key, items, timeout)
+            results[addr] = None
+        except Exception as e:  # noqa: BLE001 - reported per peer: one failure must not hide others
+            results[addr] = str(e) if isinstance(e, BlobError) else f"{addr}: {e!r}"
+
+    threads = [threading.Thread(target=one, args=(a,), name=f"blob-push-{a}", daemon=True)
+               for a in addrs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {a: results.get(a, f"{a}: push did not finish") for a in addrs}
+
+
+def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,
+               store: BlobStore | None) -> bytearray | memoryview | None:
+    sock = _connect(addr, key, timeout)
+    try:
+        sock.sendall(wire.REQ.pack(b"G", d.encode("ascii"), 0))
+        status, length = _read_reply(sock, addr)
+        if status == b"N":
+            return None
+        if status != b"O":
+            raise BlobError(f"{addr}: unexpected reply {status!r} to GET")
+        if length > max_blob:
+            raise BlobError(f"{addr}: value of {length} bytes is over the limit")
+        try:
+            buf = store.alloc(length) if store is not None else bytearray(length)
+        except MemoryError:
+            raise BlobError(f"{addr}: no memory for a value of {length} bytes") from None
+        view = memoryview(buf)[:length]
+        got = wire.recv_body(sock, view, verify=True)
+        del view
+        if got != d:
+            if store is not None:
+                store.recycle(buf)
+            raise BlobError(f"{addr}: sent data whose digest does not match {d}")
+        if store is None:
+            return buf
+        store.adopt(d, buf, length)
+        del buf
+        return store.get(d)
+    except (wire.Closed, OSError) as e:
+        raise BlobError(f"{addr}: fetch failed: {e}") from None
+    finally:
+        sock.close()
+
+
+def fetch(addrs: list[str], key: bytes, d: str, timeout: float = 30, *,
+          max_blob: int = wire.MAX_BLOB, store: BlobStore | None = None) -> bytearray | memoryview:
+    """The value with digest ``d`` from the first peer (in ``addrs`` order) that has it, verified.
+
+    Without ``store``: a new bytearray the caller owns. With ``store``: the value is received
+    into a buffer from ``store.alloc`` (a spare when one fits), kept in the store, and returned
+    as the store's read-only view. Raises :class:`BlobError` listing what each peer answered
+    when none could provide it."""
+    check_digest(d)
+    errors = []
+    for addr in addrs:
+        try:
+            data = _fetch_one(addr, key, d, timeout, max_blob, store)
+        except BlobError as e:
+            errors.append(str(e))
+            continue
+        if data is not None:
+            return data
+        errors.append(f"{addr}: not found")
+    raise BlobError(f"blob {d} not available: " + ("; ".join(errors) or "no peers"))

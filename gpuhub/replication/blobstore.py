@@ -1,0 +1,183 @@
+"""A replica's blob store: the large values named in its kernel's Raft log, by content digest
+(:mod:`gpuhub.replication.digest`), in memory.
+
+**Copies.** The store keeps the caller's buffer, never a copy; values received from peers land in
+buffers the store owns, allocated once per value (:meth:`BlobStore.alloc`). Fresh memory is a big
+cost: faulting in a new 1 GiB buffer took ~0.8 s on the dev VM (its host takes freed pages back),
+so ``BlobStore(spare_bytes=…)`` can keep the buffers of dropped values for the next value of about
+that size (4.2 → 2.3 CPU-seconds for a 1 GiB push to two peers, bench/blob_bench.py).
+
+**Files.** ``BlobStore(file_backed=True)`` (CPU kernels' replicas) receives values of
+:data:`FILE_MIN` or more into a memfd, so that a value can be built on the received pages with
+private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/replication/oob.py): the
+stored bytes stay as received even when the value is written. Such files are never reused.
+
+Caller contract: values handed to :meth:`BlobStore.put` (and to the blob client's ``push``) must
+not be mutated afterwards (the store keeps a reference, not a copy).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import weakref
+
+__all__ = ["FILE_MIN", "BlobStore"]
+
+FILE_MIN = 1 << 20
+"""``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
+
+
+class _FileBuffer(mmap.mmap):
+    """A shared, writable mapping of a memfd of its own; ``fd`` stays open while it lives, so
+    that parts of it can be mapped again privately (:meth:`BlobStore.map_private`)."""
+
+    fd: int
+
+    @classmethod
+    def create(cls, n: int) -> _FileBuffer:
+        fd = os.memfd_create("gpuhub-blob", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, n)
+            buf = cls(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        buf.fd = fd
+        weakref.finalize(buf, os.close, fd)
+        return buf
+
+
+class BlobStore:
+    """Thread-safe in-memory map ``digest -> bytes-like``.
+
+    :meth:`put` keeps a reference to the caller's object (no copy). Values received from peers
+    live in buffers the store owns (:meth:`alloc`, :meth:`adopt`); :meth:`get` hands those out as
+    read-only memoryviews. With ``spare_bytes`` > 0, :meth:`retain` keeps up to that many bytes of
+    dropped owned buffers — only those nothing else references any more — and :meth:`alloc`
+    reuses them for the next value of about the same size: a changed 1 GB variable then lands in
+    memory that is already mapped, instead of page-faulting a fresh gigabyte (0.2 s/GiB on bare
+    metal, about 0.8 s/GiB in a VM that hands freed memory back to its host). The price is that
+    much extra resident memory per replica, so it is off by default.
+
+    With ``file_backed``, :meth:`alloc` puts values of at least :data:`FILE_MIN` bytes in a memfd
+    (an anonymous in-memory file) mapped shared, and :meth:`map_private` maps a page-aligned part
+    of a stored one copy-on-write: the mapping shares the stored pages until someone writes to
+    it, then that page becomes private, so the stored bytes never change. Such buffers are never
+    kept as spares (a private mapping of a reused file would see the new value's bytes).
+    """
+
+    def __init__(self, spare_bytes: int = 0, *, file_backed: bool = False) -> None:
+        self.spare_bytes = spare_bytes
+        self.file_backed = file_backed
+        self._blobs: dict[str, bytes | bytearray | memoryview] = {}
+        self._owned: dict[str, int] = {}  # digest -> length, for buffers from alloc()
+        self._spares: list[bytearray] = []
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, d: str, data: bytes | bytearray | memoryview) -> None:
+        """Keep ``data`` under ``d`` (the caller vouches that ``d == digest(data)`` and will not
+        mutate it)."""
+        size = memoryview(data).nbytes
+        with self._lock:
+            if d not in self._blobs:
+                self._blobs[d] = data
+                self._nbytes += size
+
+    def alloc(self, n: int, *, anonymous: bool = False) -> bytearray | _FileBuffer:
+        """A buffer of at least ``n`` bytes to receive a value into, then :meth:`adopt` or
+        :meth:`recycle`: a spare when one fits within n + n/4; in a file-backed store, a new memfd
+        for a value of :data:`FILE_MIN` or more, unless ``anonymous`` (for a value this process
+        writes itself, that it never maps copy-on-write). Raises MemoryError."""
+        to_file = self.file_backed and n >= FILE_MIN and not anonymous
+        if not to_file:
+            with self._lock:
+                fits = [b for b in self._spares if n <= len(b) <= n + n // 4]
+                if fits:
+                    buf = min(fits, key=len)
+                    self._spares = [b for b in self._spares if b is not buf]
+                    return buf
+            return bytearray(n)
+        try:
+            return _FileBuffer.create(n)
+        except OSError as e:
+            raise MemoryError(f"no memfd for {n} bytes: {e}") from None
+
+    def adopt(self, d: str, buf: bytearray | _FileBuffer, n: int) -> None:
+        """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
+        with self._lock:
+            if d not in self._blobs:
+                self._blobs[d], self._owned[d] = buf, n
+                self._nbytes += n
+                return
+        self.recycle(buf)  # someone stored the same value meanwhile
+
+    def recycle(self, buf: bytearray | _FileBuffer) -> None:
+        """Give back a buffer from :meth:`alloc` that was not adopted."""
+        with self._lock:
+            self._spare(buf, 4)  # the caller's variable, ours, _spare's, getrefcount's
+
+    def _spare(self, buf: bytearray, refs: int) -> None:
+        # ``refs``: the references the caller's frames hold; more means a view is still alive
+        if (type(buf) is bytearray and sys.getrefcount(buf) <= refs
+                and sum(map(len, self._spares)) + len(buf) <= self.spare_bytes):
+            self._spares.append(buf)
+
+    def get(self, d: str) -> bytes | bytearray | memoryview | None:
+        with self._lock:
+            data = self._blobs.get(d)
+            n = self._owned.get(d)
+            if n is None:
+                return data
+            return memoryview(data)[:n].toreadonly()  # made under the lock: see _spare
+
+    def map_private(self, d: str, offset: int, length: int) -> mmap.mmap | None:
+        """A writable copy-on-write mapping of ``length`` bytes at ``offset`` (a multiple of the
+        page size) of the stored value ``d``, or None when that value is not file-backed."""
+        with self._lock:  # under the lock: retain() may drop the file meanwhile
+            buf = self._blobs.get(d)
+            if type(buf) is not _FileBuffer or offset + length > self._owned[d]:
+                return None
+            return mmap.mmap(buf.fd, length, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+
+    def has(self, d: str) -> bool:
+        with self._lock:
+            return d in self._blobs
+
+    __contains__ = has
+
+    def retain(self, keep: set[str]) -> None:
+        """Drop every blob whose digest is not in ``keep``."""
+        with self._lock:
+            for d in [d for d in self._blobs if d not in keep]:
+                data = self._blobs.pop(d)
+                n = self._owned.pop(d, None)
+                if n is None:
+                    self._nbytes -= memoryview(data).nbytes
+                else:
+                    self._nbytes -= n
+                    self._spare(data, 3)  # our variable, _spare's, getrefcount's
+                del data
+
+    def digests(self) -> set[str]:
+        with self._lock:
+            return set(self._blobs)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blobs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored values (spares not counted)."""
+        with self._lock:
+            return self._nbytes
+
+    @property
+    def spare_nbytes(self) -> int:
+        with self._lock:
+            return sum(map(len, self._spares))
