@@ -267,3 +267,25 @@ def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
     assert out["stdout"].split()[1] == "1" and "waiting" not in out["stderr"]
     assert time.monotonic() - started < 5  # no retry with backoff: granted at the first ask
     assert committed_soon(agent) == 0
+
+
+def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
+    """End to end: a GPU kernel's cells (forked child, tracker armed) lose no write (the tracker
+    alone: tests/unit/test_dirty.py)."""
+    kc, _ = start_kernel(make_agent("gpunode", gpus=1), name="gpuhub-kernel-dirty")
+    try:
+        cells = [
+            "import numpy as np\na = np.zeros(4 << 20)\nb = np.ones(4 << 20)\nc = bytearray(4 << 20)",
+            "x = 1",  # nothing written: a, b and c stay as they are
+            "a[123] = 5",
+            "b[-1] = 7; c[0] = 9",
+            "v = a[::2]\nv[1] = 3",  # a write through a view (a[2])
+            "a.shape = (2, -1)",  # the same bytes, another layout
+        ]
+        for code in cells:
+            reply, out = run(kc, code)
+            assert reply["status"] == "ok", (code, reply, out)
+        _, out = run(kc, "print(a.ravel()[123], a.ravel()[2], a.shape, b[-1], b[0], c[0], v[1])")
+        assert out["stdout"].split() == ["5.0", "3.0", "(2,", f"{2 << 20})", "7.0", "1.0", "9", "3.0"]
+    finally:
+        kc.stop_channels()

@@ -1,18 +1,16 @@
-"""Large values beside the Raft log (DESIGN D4): digest, store, and real sockets on 127.0.0.1."""
+"""Large values beside the Raft log (DESIGN D4): BlobServer, push and fetch over real sockets on
+127.0.0.1 (the digest and the store alone: tests/unit/test_blob_store.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from gpuhub.replication import blobs
+from gpuhub.replication import blobs, oob
 from gpuhub.replication.blobs import (
     BlobError,
     BlobServer,
@@ -22,6 +20,7 @@ from gpuhub.replication.blobs import (
     push,
     push_all,
 )
+from tests.unit.test_oob import MIB, blob_of
 
 KEY = b"k" * 32
 
@@ -45,72 +44,6 @@ def free_addr() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-# --- digest --------------------------------------------------------------------------------------
-def reference_digest(data: bytes, chunk: int) -> str:
-    leaves = b"".join(hashlib.sha256(data[i:i + chunk]).digest()
-                      for i in range(0, len(data), chunk))
-    return hashlib.sha256(blobs.TAG + len(data).to_bytes(8, "big") + leaves).hexdigest()
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.binary(max_size=600), chunk=st.sampled_from([1, 7, 64, 1000]))
-def test_digest_is_the_tree_hash_whatever_the_buffer_type(data, chunk):
-    saved, blobs.CHUNK = blobs.CHUNK, chunk  # small chunks: many leaves, hashed in the pool
-    try:
-        d = digest(data)
-        assert d == reference_digest(data, chunk)
-        assert d == digest(bytearray(data)) == digest(memoryview(data)) == digest(data)
-    finally:
-        blobs.CHUNK = saved
-    assert len(d) == 64 and int(d, 16) >= 0
-
-
-def test_digest_of_a_numpy_array_is_that_of_its_bytes():
-    a = np.arange(1000, dtype=np.float64).reshape(10, 100)
-    assert digest(a) == digest(a.tobytes()) != digest(a[:, :50].copy())
-    assert digest(b"") == reference_digest(b"", blobs.CHUNK)
-
-
-# --- store ---------------------------------------------------------------------------------------
-def test_store_put_get_retain():
-    s = BlobStore()
-    a, b = b"a" * 10, b"b" * 20
-    s.put(digest(a), a)
-    s.put(digest(b), b)
-    s.put(digest(b), b)  # idempotent
-    assert s.get(digest(a)) == a and s.has(digest(b)) and s.get("0" * 64) is None
-    assert s.nbytes == 30 and len(s) == 2
-    s.retain({digest(b)})
-    assert not s.has(digest(a)) and s.get(digest(b)) == b and s.nbytes == 20
-    s.retain(set())
-    assert len(s) == 0 and s.nbytes == 0
-
-
-def test_store_reuses_dropped_buffers_only_when_nothing_references_them():
-    s = BlobStore(spare_bytes=10_000)
-    buf = s.alloc(1000)
-    buf[:] = b"x" * 1000
-    s.adopt("a" * 64, buf, 1000)
-    del buf
-    view = s.get("a" * 64)
-    assert bytes(view) == b"x" * 1000 and view.readonly
-    s.retain(set())
-    assert s.spare_nbytes == 0  # a view is alive: the buffer must not be reused
-    del view
-
-    buf = s.alloc(900)
-    s.adopt("b" * 64, buf, 900)
-    del buf
-    assert len(s.get("b" * 64)) == 900 and s.nbytes == 900
-    s.retain(set())
-    assert s.spare_nbytes >= 900
-    again = s.alloc(800)  # the 900-byte spare fits within n + n/4
-    assert len(again) == 900 and s.spare_nbytes == 0
-    s.recycle(again)
-    assert s.spare_nbytes == 900
-    assert s.alloc(10) is not again and s.spare_nbytes == 900  # far smaller: fresh, spare kept
 
 
 # --- network -------------------------------------------------------------------------------------
@@ -268,3 +201,40 @@ def test_stop_returns_with_an_idle_connection_open(servers):
         assert sock.recv(1) == b""
     finally:
         sock.close()
+
+
+# --- out-of-band layouts over the network (gpuhub/replication/oob.py; the rest: tests/unit/test_oob.py)
+def test_push_and_fetch_of_a_layout_verify_and_corruption_is_refused():
+    stores = [BlobStore(file_backed=True) for _ in range(2)]
+    servers = [BlobServer(s, KEY, "127.0.0.1", 0).start() for s in stores]
+    try:
+        blob = blob_of({"a": np.arange(3 * MIB, dtype=np.uint8)})
+        d = digest(blob)
+        bad = bytearray(blob)
+        bad[oob.parse(blob)[1][0][0] + 5] ^= 0xFF  # one byte of the buffer frame
+        with pytest.raises(BlobError, match="digest mismatch"):
+            push(servers[1].address, KEY, {d: bad})
+        assert not stores[1].has(d)
+
+        push(servers[0].address, KEY, {d: blob})
+        assert stores[0].has(d)
+        got = fetch([servers[0].address], KEY, d, store=stores[1])
+        assert bytes(got) == blob
+        assert stores[1].map_private(d, oob.parse(blob)[1][0][0], 3 * MIB) is not None
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_corrupted_stored_layout_is_refused_by_fetch():
+    store = BlobStore()
+    server = BlobServer(store, KEY, "127.0.0.1", 0).start()
+    try:
+        blob = bytearray(blob_of(np.arange(MIB, dtype=np.uint8)))
+        d = digest(blob)
+        blob[-1] ^= 1  # the stored bytes differ from the digest they are stored under
+        store.put(d, blob)
+        with pytest.raises(BlobError, match="does not match"):
+            fetch([server.address], KEY, d)
+    finally:
+        server.stop()
