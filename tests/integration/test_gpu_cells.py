@@ -11,6 +11,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.dev.cluster import current_user
+from tests.helpers import wait_for
 
 
 def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1, env=None):
@@ -67,6 +68,22 @@ def run(kc, code, timeout=30, stdin=None):
     reply = kc.execute_interactive(code, timeout=timeout, output_hook=on_output,
                                    allow_stdin=stdin is not None, stdin_hook=stdin)
     return reply["content"], out
+
+
+def wait_for_output(kc, msg_id: str, text: str, timeout: float = 30) -> None:
+    """Read iopub until request ``msg_id`` has printed ``text``: the cell is past that point."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while text not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the cell did not print {text!r} within {timeout:g} s (printed {seen!r})")
+        try:
+            msg = kc.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            seen += msg["content"]["text"]
 
 
 def committed(agent) -> int:
@@ -178,8 +195,8 @@ def test_rich_output_errors_and_unpicklable_warning(gpu_kernel):
 def test_interrupt_reaches_the_cell_and_frees_the_gpu(gpu_kernel):
     agent, kc, _ = gpu_kernel
     run(kc, "before = 1")
-    kc.execute("import time\nbefore = 2\ntime.sleep(60)")
-    time.sleep(1.5)
+    msg_id = kc.execute("import time\nbefore = 2\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    wait_for_output(kc, msg_id, "sleeping")  # the interrupt must find the cell in its sleep
     from jupyter_client.session import Session  # noqa: F401 - message is sent by the client below
 
     kc.control_channel.send(kc.session.msg("interrupt_request", {}))
@@ -215,7 +232,7 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    wait_for(lambda: committed(agent) == 2, 30, "both GPUs granted to the first two cells")
     t3 = threading.Thread(target=go, args=(2,))
     t3.start()
     for t in threads + [t3]:
