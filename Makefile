@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-down test test-fast test-cluster bench lint venv host-deps clean
+.PHONY: demo demo-down test test-unit test-fast test-cluster bench lint venv host-deps clean
 
 $(STAMP): pyproject.toml requirements/dev.txt
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ demo: venv host-deps
 
 demo-down:
 	scripts/cluster.sh down demo
+
+# tests/unit and tests/sim: no process, no socket (seconds). test-fast adds tests/integration and
+# tests/monitoring (real daemons, kernels and Prometheus on 127.0.0.1).
+test-unit: venv
+	$(BIN)/pytest -q -m unit tests
 
 test-fast: venv
 	$(BIN)/pytest -q -m "not cluster" tests

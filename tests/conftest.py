@@ -1,10 +1,70 @@
-"""Shared fixtures: real gpuhub daemons on 127.0.0.1 (see gpuhub.dev.cluster)."""
+"""Shared fixtures: real gpuhub daemons on 127.0.0.1 (see gpuhub.dev.cluster); the unit /
+integration / cluster marker of every test, from its directory; the unit tests' isolation guard."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from gpuhub.dev.cluster import AgentProcess, DevCluster, SchedulerProcess, current_user  # noqa: F401
+
+TESTS = Path(__file__).resolve().parent
+# What a test starts decides where it lives, and so its marker (declared in pyproject.toml):
+#   unit         nothing: no process, no socket (pure code, in this process; os.fork is allowed)
+#   integration  real daemons / replicas / ipykernels / Prometheus on 127.0.0.1
+#   cluster      the podman cluster (scripts/cluster.sh)
+KIND_OF_DIR = {"unit": "unit", "sim": "unit", "integration": "integration", "monitoring": "integration",
+               "cluster": "cluster"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            top = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            continue  # not one of ours
+        kind = KIND_OF_DIR.get(top)
+        if kind is None:
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test lives in one of tests/{{{','.join(KIND_OF_DIR)}}}/ (what it starts "
+                "decides which: tests/conftest.py KIND_OF_DIR)")
+        item.add_marker(kind)
+
+
+class IsolationError(AssertionError):
+    """A unit test opened a socket or started a process: it belongs in tests/integration/."""
+
+
+@pytest.fixture(autouse=True)
+def _unit_isolation(request, monkeypatch):
+    """Unit tests may not connect or bind a socket, nor start a subprocess. Each attempt raises
+    (not an OSError, which the code under test might swallow) and, in case something caught it
+    anyway, fails the test at teardown."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    attempts: list[str] = []
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            attempts.append(what)
+            raise IsolationError(f"a unit test may not {what}: move it to tests/integration/")
+        return refused
+
+    for name in ("connect", "connect_ex", "bind"):
+        monkeypatch.setattr(socket.socket, name, refuse(f"{name} a socket"))
+    # every subprocess (run, check_output, asyncio's) goes through Popen._execute_child
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("start a subprocess"))
+    for name in ("system", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp", "execvpe"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse(f"call os.{name}"))
+    yield
+    if attempts:
+        pytest.fail(f"a unit test tried to {', '.join(sorted(set(attempts)))}: it belongs in tests/integration/")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.dev.cluster import current_user
+from tests.helpers import wait_for
 
 
 def start_kernel(agent, name="gpuhub-kernel-t1", gpus=1, env=None):
@@ -67,6 +68,22 @@ def run(kc, code, timeout=30, stdin=None):
     reply = kc.execute_interactive(code, timeout=timeout, output_hook=on_output,
                                    allow_stdin=stdin is not None, stdin_hook=stdin)
     return reply["content"], out
+
+
+def wait_for_output(kc, msg_id: str, text: str, timeout: float = 30) -> None:
+    """Read iopub until request ``msg_id`` has printed ``text``: the cell is past that point."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while text not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the cell did not print {text!r} within {timeout:g} s (printed {seen!r})")
+        try:
+            msg = kc.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            seen += msg["content"]["text"]
 
 
 def committed(agent) -> int:
@@ -178,8 +195,8 @@ def test_rich_output_errors_and_unpicklable_warning(gpu_kernel):
 def test_interrupt_reaches_the_cell_and_frees_the_gpu(gpu_kernel):
     agent, kc, _ = gpu_kernel
     run(kc, "before = 1")
-    kc.execute("import time\nbefore = 2\ntime.sleep(60)")
-    time.sleep(1.5)
+    msg_id = kc.execute("import time\nbefore = 2\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    wait_for_output(kc, msg_id, "sleeping")  # the interrupt must find the cell in its sleep
     from jupyter_client.session import Session  # noqa: F401 - message is sent by the client below
 
     kc.control_channel.send(kc.session.msg("interrupt_request", {}))
@@ -215,7 +232,7 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    wait_for(lambda: committed(agent) == 2, 30, "both GPUs granted to the first two cells")
     t3 = threading.Thread(target=go, args=(2,))
     t3.start()
     for t in threads + [t3]:
@@ -267,3 +284,25 @@ def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
     assert out["stdout"].split()[1] == "1" and "waiting" not in out["stderr"]
     assert time.monotonic() - started < 5  # no retry with backoff: granted at the first ask
     assert committed_soon(agent) == 0
+
+
+def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
+    """End to end: a GPU kernel's cells (forked child, tracker armed) lose no write (the tracker
+    alone: tests/unit/test_dirty.py)."""
+    kc, _ = start_kernel(make_agent("gpunode", gpus=1), name="gpuhub-kernel-dirty")
+    try:
+        cells = [
+            "import numpy as np\na = np.zeros(4 << 20)\nb = np.ones(4 << 20)\nc = bytearray(4 << 20)",
+            "x = 1",  # nothing written: a, b and c stay as they are
+            "a[123] = 5",
+            "b[-1] = 7; c[0] = 9",
+            "v = a[::2]\nv[1] = 3",  # a write through a view (a[2])
+            "a.shape = (2, -1)",  # the same bytes, another layout
+        ]
+        for code in cells:
+            reply, out = run(kc, code)
+            assert reply["status"] == "ok", (code, reply, out)
+        _, out = run(kc, "print(a.ravel()[123], a.ravel()[2], a.shape, b[-1], b[0], c[0], v[1])")
+        assert out["stdout"].split() == ["5.0", "3.0", "(2,", f"{2 << 20})", "7.0", "1.0", "9", "3.0"]
+    finally:
+        kc.stop_channels()

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -21,7 +20,7 @@ from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
 from gpuhub.replication import blobclient, oob
 from gpuhub.replication.digest import digest
-from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run
+from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run, wait_for_output
 
 
 def string_form(inspected: str) -> str:
@@ -159,15 +158,19 @@ def test_next_cell_waits_for_its_own_last_lease_not_for_another_node(gpu_kernel)
 def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):
     ok(gpu_kernel, "a = 1")
     hogs = [(agent, *take_the_gpu(agent, f"hog{agent.name[-1]}")) for agent in dev_cluster.agents]
+    stderr: list[str] = []
 
-    def free_later():
-        time.sleep(2.0)
-        for agent, token, lease_id in hogs:
-            agent.call("DELETE", f"/api/v1/leases/{lease_id}", token=token)
+    def on_output(msg):  # the GPUs are given back once the kernel has said that it waits for one
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
+            stderr.append(msg["content"]["text"])
+            if "waiting for 1 GPU(s)" in msg["content"]["text"] and hogs:
+                while hogs:
+                    agent, token, lease_id = hogs.pop()
+                    agent.call("DELETE", f"/api/v1/leases/{lease_id}", token=token)
 
-    threading.Thread(target=free_later, daemon=True).start()
-    out = ok(gpu_kernel, "a += 1", timeout=60)
-    assert "waiting for 1 GPU(s)" in out["stderr"]
+    reply = gpu_kernel.kc.execute_interactive("a += 1", timeout=60, output_hook=on_output)
+    assert reply["content"]["status"] == "ok", (reply["content"], stderr)
+    assert "waiting for 1 GPU(s)" in "".join(stderr) and not hogs
     assert assert_equal_namespaces(gpu_kernel, ["a"])["a"].endswith("2")
 
 
@@ -192,15 +195,8 @@ def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                view = assert_equal_namespaces(cpu_kernel, ["x", "y", "big"])
-                break
-            except (AssertionError, TimeoutError, RuntimeError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        view = eventually(lambda: assert_equal_namespaces(cpu_kernel, ["x", "y", "big"]), 60,
+                          "the restarted replica's namespace equal to the others'")
         assert view["x"].endswith("2") and view["y"].endswith("20") and view["big"].startswith("[3. 3. 3.")
         ok(cpu_kernel, "z = y + 1")
         assert_equal_namespaces(cpu_kernel, ["z"])
@@ -214,8 +210,8 @@ def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     node = executor_node(cpu_kernel)
     executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
     pid = cpu_kernel.pid(executor)
-    msg_id = cpu_kernel.kc.execute("x = 100\nimport time; time.sleep(60)")
-    time.sleep(1.5)
+    msg_id = cpu_kernel.kc.execute("x = 100\nprint('running', flush=True)\nimport time; time.sleep(60)")
+    wait_for_output(cpu_kernel.kc, msg_id, "running")  # killed mid-cell, not before it started
     os.kill(pid, signal.SIGKILL)
     started = time.monotonic()
     reply = cpu_kernel.kc.get_shell_msg(timeout=30)

@@ -138,7 +138,7 @@ async def shared_routed(shared_replicas):
 
 async def _drain_iopub(kc, parent_id: str, wait_s: float = 0.6) -> list[dict]:
     """Messages for parent_id still arriving after execute_interactive returned."""
-    await asyncio.sleep(wait_s)
+    await asyncio.sleep(wait_s)  # waiting for messages that must not come: no event to wait on
     msgs = []
     while True:
         try:

@@ -1,9 +1,14 @@
-"""Fixtures for the monitoring tests: a real Prometheus (Debian's package) on 127.0.0.1 that
-scrapes small local exporters serving gpuhub, JupyterHub, DCGM and node metrics, with the
-prometheus.yml and recording rules that roles/prometheus renders from a test inventory.
+"""Fixtures for the monitoring tests: a real Prometheus (Debian's package) on 127.0.0.1 with the
+prometheus.yml and recording rules that roles/prometheus renders from a test inventory, scraping
 
-Only 127.0.0.1 is contacted. Prometheus is installed with apt-get when missing (the test is
-skipped, with the reason, only where that is impossible).
+- real gpuhub agents and a real gpuhub scheduler (gpuhub.dev.cluster: fake GPUs), with their tokens
+  as the rendered config has them, after real kernels were placed and real leases granted and
+  refused through their APIs, so pending, committed and the lease counters are the daemons' own;
+- a real prometheus-node-exporter where Debian's package is installed, else a stub;
+- stubs for JupyterHub and DCGM (why: see ``Exporter``).
+
+Only 127.0.0.1 is contacted. Prometheus (and the node exporter) are installed with apt-get when
+missing (the tests are skipped, with the reason, only where that is impossible).
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ import getpass
 import grp
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,6 +33,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from gpuhub.agent.units import ProcessRunner
+from gpuhub.dev.cluster import AgentProcess, DevCluster
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -50,7 +59,7 @@ def _install_prometheus() -> str | None:
     if not shutil.which("apt-get"):
         return "prometheus is not installed and there is no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus", "prometheus-node-exporter"]
     r = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         subprocess.run(["apt-get", "update"], check=False, env=env, capture_output=True, timeout=600)
@@ -74,7 +83,12 @@ def prometheus_bins() -> SimpleNamespace:
 
 @dataclass
 class Exporter:
-    """An HTTP server on 127.0.0.1 serving one exposition, optionally behind a bearer token."""
+    """An HTTP server on 127.0.0.1 serving one exposition, optionally behind a bearer token: a stub,
+    only for what cannot run here cheaply. JupyterHub: a real hub needs configurable-http-proxy
+    (a Node.js program, not in the venv) and a database and spawner set up before /hub/metrics
+    answers, so its exposition is made from the hub's own metric objects (jupyterhub.metrics)
+    instead. DCGM: dcgm-exporter needs NVIDIA's DCGM and a GPU. The node exporter: only where
+    Debian's prometheus-node-exporter is not installed."""
 
     name: str
     path: str
@@ -118,65 +132,6 @@ class Exporter:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
-
-
-def _agent_body(node: str, gpus: int, pending: int, committed: int) -> Callable[[], bytes]:
-    """The lead's real AgentCollector over a stub agent; counters grow at every scrape."""
-    from prometheus_client import generate_latest
-
-    from gpuhub.agent.metrics import agent_registry
-
-    counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
-    agent = SimpleNamespace(
-        config=SimpleNamespace(node_name=node),
-        book=SimpleNamespace(gpu_count=gpus, pending=pending, committed=committed, busy=set(range(committed))),
-        units={"k1": SimpleNamespace(kind="kernel"), "s1": SimpleNamespace(kind="server")},
-        counters=counters,
-        gpus=lambda: [
-            SimpleNamespace(
-                index=i,
-                uuid=f"GPU-{node}-{i}",
-                memory_used_bytes=(i + 1) * 2**30,
-                memory_total_bytes=40 * 2**30,
-                utilization_percent=25.0 * (i + 1),
-            )
-            for i in range(gpus)
-        ],
-    )
-    registry = agent_registry(agent)
-
-    def body() -> bytes:
-        counters["granted"] += 3
-        counters["refused"] += 1
-        counters["expired"] += 1
-        counters["released"] += 2
-        return generate_latest(registry)
-
-    return body
-
-
-def _scheduler_body() -> Callable[[], bytes]:
-    """The lead's real SchedulerCollector over a stub scheduler."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from gpuhub.scheduler.api import SchedulerCollector
-
-    view = lambda g, p, c: SimpleNamespace(schedulable=True, gpu_count=g, pending=p, committed=c)
-    sched = SimpleNamespace(
-        node_views=lambda: [view(4, 6, 1), view(2, 3, 1)],
-        nodes={"gpu1": 1, "gpu2": 2, "hub1": 3},
-        kernels={"k1": 1, "k2": 2, "k3": 3},
-        counters={"placements": 0, "placement_failures": 0, "replacements": 0},
-    )
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(SchedulerCollector(sched))
-
-    def body() -> bytes:
-        sched.counters["placements"] += 2
-        sched.counters["placement_failures"] += 1
-        return generate_latest(reg)
-
-    return body
 
 
 def _jupyterhub_body() -> Callable[[], bytes]:
@@ -281,6 +236,92 @@ def local_inventory(hosts: dict[str, dict], groups: dict[str, list[str]]) -> str
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- real gpuhub daemons
+
+
+@dataclass
+class Gpuhub:
+    """Real agents (gpu1..gpu3 with 2 fake GPUs each, heartbeating to the scheduler; hub1 with none,
+    as on a notebook host) and a real scheduler, with kernels placed and leases taken through their
+    APIs. ``kernels``: the scheduler's records; ``books``: each agent's own GET /api/v1/node."""
+
+    dev: DevCluster
+    agents: dict[str, AgentProcess]
+    kernels: dict[str, dict] = field(default_factory=dict)
+    books: dict[str, dict] = field(default_factory=dict)
+
+    def place(self, name: str, gpus: int, replicas: int) -> dict:
+        status, record = self.dev.scheduler_call("POST", "/api/v1/kernels", {
+            "kernel_id": f"mon-{name}-{secrets.token_hex(3)}", "key": secrets.token_hex(16), "gpus": gpus,
+            "replicas": replicas, "cwd": str(self.dev.tmp)})
+        assert status in (200, 201), f"the scheduler refused kernel {name}: {record}"
+        self.kernels[name] = record
+        return record
+
+    def lease(self, kernel: str, node: str, gpus: int) -> int:
+        """POST /api/v1/leases as kernel ``kernel``'s replica on ``node`` does for a GPU cell
+        (with the lease token from the unit's environment); returns the HTTP status."""
+        (rep,) = [r for r in self.kernels[kernel]["replicas"] if r["node"] == node]
+        agent = self.agents[node]
+        token = ProcessRunner(str(agent.dir / "run"), 0).read_env(rep["unit"])["GPUHUB_LEASE_TOKEN"]
+        status, _ = agent.call("POST", "/api/v1/leases", {"gpus": gpus}, token=token)
+        return status
+
+    def read_books(self) -> dict[str, dict]:
+        self.books = {name: a.call("GET", "/api/v1/node")[1] for name, a in self.agents.items()}
+        return self.books
+
+    def stop(self) -> None:
+        self.dev.stop()
+        hub = self.agents.get("hub1")
+        if hub is not None:
+            hub.stop()
+
+
+def start_gpuhub(tmp: Path) -> Gpuhub:
+    tmp.mkdir(parents=True, exist_ok=True)
+    dev = DevCluster(tmp, nodes=3, gpus_per_node=2).start()
+    hub1 = AgentProcess(tmp, "hub1", 0)
+    hub1.token = dev.agent_token  # one agent token for the whole cluster, as Ansible deploys it
+    (hub1.dir / "secrets" / "agent.token").write_text(dev.agent_token)
+    g = Gpuhub(dev, {a.name: a for a in dev.agents})
+    try:
+        g.agents["hub1"] = hub1.start()
+        # Kernel a: 2 GPUs, 3 replicas (2 pending on each GPU node). Kernel b: 1 GPU, 1 replica (on
+        # the node the scheduler picks: "busy" below). Pending 2+2+2+1 = 7.
+        g.place("a", gpus=2, replicas=3)
+        g.place("b", gpus=1, replicas=1)
+        # the scheduler's view of pending comes with the agents' heartbeats
+        wait_for(lambda: sum(n["pending"] or 0 for n in dev.scheduler_call(
+            "GET", "/api/v1/nodes", token=dev.scheduler.token)[1]["nodes"]) == 7, 20, "pending 7 at the scheduler")
+    except BaseException:
+        g.stop()
+        raise
+    return g
+
+
+def start_node_exporter(tmp: Path) -> tuple[int, subprocess.Popen | None, Exporter | None]:
+    """The real prometheus-node-exporter on 127.0.0.1 (one cheap collector), or a stub where the
+    Debian package is not installed. Returns (port, process, stub)."""
+    exe = shutil.which("prometheus-node-exporter")
+    if not exe:
+        stub = Exporter("node", "/metrics", _static_body(NODE_SAMPLE))
+        stub.start()
+        return stub.port, None, stub
+    port = free_port()
+    proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
+                             "--collector.loadavg"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp / "node-exporter.log", "wb"))  # noqa: SIM115
+
+    def answers() -> bool:
+        assert proc.poll() is None, f"node exporter exited: {(tmp / 'node-exporter.log').read_text()[-2000:]}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            return b"node_load1" in r.read()
+
+    wait_for(answers, 20, "the node exporter to answer", ignore=(OSError,))
+    return port, proc, None
+
+
 # --------------------------------------------------------------------------- the whole stack
 
 
@@ -288,8 +329,10 @@ def local_inventory(hosts: dict[str, dict], groups: dict[str, list[str]]) -> str
 class Stack:
     url: str
     config_dir: Path
-    exporters: dict[str, Exporter]
+    exporters: dict[str, Exporter]  # the stubs that remain (see Exporter)
     proc: subprocess.Popen
+    gpuhub: Gpuhub | None = None
+    busy_node: str = ""  # where kernel b runs, and kernel a holds a lease of 2 GPUs
 
     def api(self, path: str, **params: str) -> dict:
         q = urllib.parse.urlencode(params)
@@ -306,81 +349,108 @@ class Stack:
         except urllib.error.HTTPError as e:  # bad_data / execution errors
             return json.load(e)
 
+    def has_data(self, expr: str) -> bool:
+        r = self.query(expr)
+        return r.get("status") == "success" and bool(r["data"]["result"])
+
 
 @pytest.fixture(scope="session")
 def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
     tmp = tmp_path_factory.mktemp("monitoring")
     creds = tmp / "credentials"
-    exporters = {
-        "agent-gpu1": Exporter("agent-gpu1", "/metrics", _agent_body("gpu1", 4, 6, 1), creds / "agent.token"),
-        "agent-gpu2": Exporter("agent-gpu2", "/metrics", _agent_body("gpu2", 2, 3, 1), creds / "agent.token"),
-        "agent-hub1": Exporter("agent-hub1", "/metrics", _agent_body("hub1", 0, 0, 0), creds / "agent.token"),
-        "scheduler": Exporter("scheduler", "/metrics", _scheduler_body(), creds / "scheduler.token"),
-        "jupyterhub": Exporter("jupyterhub", "/hub/metrics", _jupyterhub_body(), creds / "jupyterhub-metrics.token"),
-        "node": Exporter("node", "/metrics", _static_body(NODE_SAMPLE)),
-        "dcgm": Exporter("dcgm", "/metrics", _static_body(DCGM_SAMPLE)),
-    }
-    for e in exporters.values():
-        e.start()
-    port = free_port()
-    addr = {"gpuhub_address": "127.0.0.1", "node_exporter_port": exporters["node"].port}
-    inventory = local_inventory(
-        {
-            "gpu1": {**addr, "gpuhub_agent_port": exporters["agent-gpu1"].port},
-            "gpu2": {**addr, "gpuhub_agent_port": exporters["agent-gpu2"].port},
-            "hub1": {
-                **addr,
-                "gpuhub_agent_port": exporters["agent-hub1"].port,
-                "gpuhub_scheduler_port": exporters["scheduler"].port,
-                "gpuhub_hub_api_port": exporters["jupyterhub"].port,
-            },
-        },
-        {"gpu_nodes": ["gpu1", "gpu2"], "notebook_hosts": ["hub1"], "hub": ["hub1"], "monitoring": ["hub1"]},
-    )
-    config_dir = run_role_config(
-        tmp,
-        inventory,
-        {
-            "prometheus_port": port,
-            "prometheus_scrape_interval": "1s",
-            "prometheus_scrape_timeout": "1s",
-            "prometheus_evaluation_interval": "1s",
-            "prometheus_gpuhub_rules_interval": "1s",
-            "prometheus_dcgm_targets": [{"target": f"127.0.0.1:{exporters['dcgm'].port}", "node": "gpu1"}],
-        },
-    )
-    data = tmp / "data"
-    log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(
-        [prometheus_bins.prometheus, f"--config.file={config_dir / 'prometheus.yml'}",
-         f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={data}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=log,
-    )
-    stack = Stack(f"http://127.0.0.1:{port}", config_dir, exporters, proc)
+    creds.mkdir()
+    procs: list[subprocess.Popen] = []
+    exporters: dict[str, Exporter] = {}
+    gpuhub = None
+    log = None
     try:
-        deadline = time.monotonic() + 60
-        ready = False
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}")
-            try:
-                # enough samples for rate(); every recording rule has produced a value
-                r = stack.query("min(count_over_time(up[1m])) >= 4 and on() count(cluster:gpuhub_lease_refusals:ratio_rate5m)")
-                if r.get("status") == "success" and r["data"]["result"]:
-                    ready = True
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        if not ready:
-            pytest.fail(f"prometheus had no data after 60 s: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+        gpuhub = start_gpuhub(tmp / "gpuhub")
+        # The controller's credentials, which the role copies into Prometheus' secrets dir: the
+        # daemons' real tokens (an existing file is what Ansible's password lookup returns).
+        (creds / "agent.token").write_text(gpuhub.dev.agent_token + "\n")
+        (creds / "scheduler.token").write_text(gpuhub.dev.scheduler.token + "\n")
+        exporters = {
+            "jupyterhub": Exporter("jupyterhub", "/hub/metrics", _jupyterhub_body(), creds / "jupyterhub-metrics.token"),
+            "dcgm": Exporter("dcgm", "/metrics", _static_body(DCGM_SAMPLE)),
+        }
+        for e in exporters.values():
+            e.start()
+        node_port, node_proc, node_stub = start_node_exporter(tmp)
+        if node_proc:
+            procs.append(node_proc)
+        if node_stub:
+            exporters["node"] = node_stub
+        port = free_port()
+        addr = {"gpuhub_address": "127.0.0.1", "node_exporter_port": node_port}
+        agent_port = {name: {"gpuhub_agent_port": a.port} for name, a in gpuhub.agents.items()}
+        inventory = local_inventory(
+            {
+                "gpu1": {**addr, **agent_port["gpu1"]},
+                "gpu2": {**addr, **agent_port["gpu2"]},
+                "gpu3": {**addr, **agent_port["gpu3"]},
+                "hub1": {
+                    **addr,
+                    **agent_port["hub1"],
+                    "gpuhub_scheduler_port": gpuhub.dev.scheduler.port,
+                    "gpuhub_hub_api_port": exporters["jupyterhub"].port,
+                },
+            },
+            {"gpu_nodes": ["gpu1", "gpu2", "gpu3"], "notebook_hosts": ["hub1"], "hub": ["hub1"],
+             "monitoring": ["hub1"]},
+        )
+        config_dir = run_role_config(
+            tmp,
+            inventory,
+            {
+                "prometheus_port": port,
+                "prometheus_scrape_interval": "1s",
+                "prometheus_scrape_timeout": "1s",
+                "prometheus_evaluation_interval": "1s",
+                "prometheus_gpuhub_rules_interval": "1s",
+                "prometheus_dcgm_targets": [{"target": f"127.0.0.1:{exporters['dcgm'].port}", "node": "gpu1"}],
+            },
+        )
+        data = tmp / "data"
+        log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        proc = subprocess.Popen(
+            [prometheus_bins.prometheus, f"--config.file={config_dir / 'prometheus.yml'}",
+             f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={data}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )
+        procs.append(proc)
+        (busy,) = [r["node"] for r in gpuhub.kernels["b"]["replicas"]]
+        stack = Stack(f"http://127.0.0.1:{port}", config_dir, exporters, proc, gpuhub, busy)
+
+        def prometheus_has(expr: str):
+            def check() -> bool:
+                assert proc.poll() is None, f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}"
+                return stack.has_data(expr)
+            return check
+
+        # Every agent scraped once with its counters at 0 ...
+        wait_for(prometheus_has('count(gpuhub_agent_leases_granted_total == 0) == 4'), 60,
+                 "a first scrape of the four agents", ignore=(OSError,))
+        # ... then real lease traffic, so rate() over the counters is not 0: on the busy node kernel
+        # a's replica takes both GPUs, and kernel b's replica there is refused one (409).
+        assert stack.gpuhub.lease("a", busy, 2) == 200
+        assert stack.gpuhub.lease("b", busy, 1) == 409
+        gpuhub.read_books()
+        # enough samples for rate(); every recording rule has produced a value (the refusal ratio,
+        # the last of the rules, needs a granted or refused lease in the last 5 minutes)
+        wait_for(prometheus_has("min(count_over_time(up[1m])) >= 4 and on() "
+                                "count(cluster:gpuhub_lease_refusals:ratio_rate5m)"),
+                 60, f"prometheus data ({tmp / 'prometheus.log'})", interval=0.5, ignore=(OSError,))
         yield stack
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if log:
+            log.close()
         for e in exporters.values():
             e.stop()
+        if gpuhub:
+            gpuhub.stop()

@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 import yaml
@@ -92,7 +94,7 @@ def test_dashboards_exist():
 def test_dashboard_query_parses_and_returns_data(monitoring_stack, where, expr):
     body = monitoring_stack.query(substitute(expr))
     assert body.get("status") == "success", f"{where}: {expr!r} -> {body.get('errorType')}: {body.get('error')}"
-    assert body["data"]["result"], f"{where}: {expr!r} returned no data from the sample exposition"
+    assert body["data"]["result"], f"{where}: {expr!r} returned no data"
 
 
 def test_recording_rules_evaluate_and_return_data(monitoring_stack):
@@ -109,12 +111,29 @@ def test_recording_rules_evaluate_and_return_data(monitoring_stack):
 
 
 def test_saved_gpu_hours_arithmetic(monitoring_stack):
-    """Sample: pending 6+3+0 over R=3 -> 3 reserved-equivalent GPUs; committed 1+1 -> saved 1."""
+    """The daemons' own books: kernel a (2 GPUs x 3 replicas) and kernel b (1 GPU x 1 replica) are
+    pending 2+2+2+1 = 7 -> 7/3 reserved-equivalent GPUs; kernel a's lease of 2 GPUs on the busy
+    node is committed -> saved 7/3 - 2 = 1/3; one lease granted, one refused -> ratio 1/2."""
     q = lambda e: float(monitoring_stack.query(e)["data"]["result"][0]["value"][1])
-    assert q("cluster:gpuhub_gpus_reserved_equivalent:sum") == pytest.approx(3.0)
+    books = monitoring_stack.gpuhub.books
+    busy = monitoring_stack.busy_node
+    # what the agents say (GET /api/v1/node), before looking at what Prometheus made of it
+    assert sum(b["pending"] for b in books.values()) == 7
+    assert {n: b["committed"] for n, b in books.items() if b["committed"]} == {busy: 2}
+    assert books[busy]["pending"] == 3 and books["hub1"]["gpu_count"] == 0
+    assert q("cluster:gpuhub_gpus:sum") == pytest.approx(6.0)
+    assert q("cluster:gpuhub_gpus_pending:sum") == pytest.approx(7.0)
+    assert q("cluster:gpuhub_gpus_reserved_equivalent:sum") == pytest.approx(7 / 3)
     assert q("cluster:gpuhub_gpus_committed:sum") == pytest.approx(2.0)
-    assert q("cluster:gpuhub_gpus_saved:sum") == pytest.approx(1.0)
-    assert q('node:gpuhub_subscription_ratio:ratio{node="gpu1"}') == pytest.approx(6 / 4 / 3)
+    assert q("cluster:gpuhub_gpus_saved:sum") == pytest.approx(1 / 3)
+    assert q(f'node:gpuhub_subscription_ratio:ratio{{node="{busy}"}}') == pytest.approx(3 / 2 / 3)
+    idle = next(n for n in ("gpu1", "gpu2", "gpu3") if n != busy)
+    assert q(f'node:gpuhub_subscription_ratio:ratio{{node="{idle}"}}') == pytest.approx(2 / 2 / 3)
+    assert not monitoring_stack.query('node:gpuhub_subscription_ratio:ratio{node="hub1"}')["data"]["result"]
+    assert q("cluster:gpuhub_lease_refusals:ratio_rate5m") == pytest.approx(0.5)
+    # the scheduler's view, from the agents' heartbeats
+    assert q('gpuhub_cluster_gpus{state="pending"}') == pytest.approx(7.0)
+    assert q("gpuhub_scheduler_kernels") == 2 and q("gpuhub_scheduler_placements_total") == 2
 
 
 def test_scrape_jobs_up_with_tokens(monitoring_stack):
@@ -124,11 +143,17 @@ def test_scrape_jobs_up_with_tokens(monitoring_stack):
     assert {"gpuhub-agent", "gpuhub-scheduler", "jupyterhub", "node", "dcgm", "prometheus"} <= jobs
     down = [(t["labels"]["job"], t["scrapeUrl"], t["lastError"]) for t in targets if t["health"] != "up"]
     assert not down
-    for name, e in monitoring_stack.exporters.items():
+    for name, e in monitoring_stack.exporters.items():  # the stubs
         assert e.scrapes > 0 and e.refused == 0, f"{name}: {e.scrapes} scrapes, {e.refused} refused"
+    # the real daemons answer /metrics only with their token: up means Prometheus sent it
+    gpuhub = monitoring_stack.gpuhub
+    for url in [a.url for a in gpuhub.agents.values()] + [gpuhub.dev.scheduler.url]:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + "/metrics", timeout=10)
+        assert refused.value.code == 401, url
     # the agent's own node label is kept (honor_labels), no exported_node
     r = monitoring_stack.query("gpuhub_agent_gpus")["data"]["result"]
-    assert sorted(s["metric"]["node"] for s in r) == ["gpu1", "gpu2", "hub1"]
+    assert sorted(s["metric"]["node"] for s in r) == ["gpu1", "gpu2", "gpu3", "hub1"]
     assert not any("exported_node" in s["metric"] for s in r)
 
 

@@ -1,7 +1,4 @@
 import json
-import os
-import subprocess
-import sys
 
 from gpuhub.sim.cli import main
 from gpuhub.sim.generate import GenConfig, generate, trace_stats
@@ -127,25 +124,3 @@ def test_progress_bar_on_request(tmp_path, capsys):
     assert "100%" in capsys.readouterr().err
     assert main(["run", out]) == 0
     assert capsys.readouterr().err == ""  # not a TTY, not asked
-
-
-def test_python_dash_m(tmp_path):
-    out = str(tmp_path / "gen")
-    main(["generate", out, "--sessions", "3", "--hours", "3"])
-    env = dict(os.environ)
-    p = subprocess.run(
-        [sys.executable, "-m", "gpuhub.sim", "run", out, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["policy"] == "gpuhub"
-    p = subprocess.run(
-        [sys.executable, "-m", "gpuhub.sim", "run", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert p.returncode == 2 and "not a directory" in p.stderr

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,18 +171,6 @@ def test_command_line_settings_win_over_the_file(tmp_path):
     app.initialize(["--config", str(p), "--AgentConfig.port=8800", "--log-level", "warning"])
     assert (app.settings.port, app.settings.min_uid, app.settings.advertise_url) == (8800, 0, "http://127.0.0.1:8800")
     assert logging.getLogger().level == logging.WARNING
-
-
-@pytest.mark.parametrize("script,settings", [("gpuhub.agent.main", AgentConfig),
-                                             ("gpuhub.scheduler.main", SchedulerConfig)])
-def test_help_all_lists_every_setting_with_its_help(script, settings):
-    out = subprocess.run([sys.executable, "-m", script, "--help-all"], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout
-    assert "--config=<Unicode>" in out and "--log-level=" in out
-    for name, trait in settings.class_traits(config=True).items():
-        assert f"--{settings.__name__}.{name}=" in out
-        assert trait.help, name
-    assert "logging_config" not in out  # only the daemon's own settings
 
 
 def test_access_log_has_method_path_status_and_never_the_query_or_headers(caplog):

@@ -9,6 +9,7 @@ import pytest
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
+from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import connect, run
 
 
@@ -116,8 +117,6 @@ def _lease_token(agent, unit):
 
 
 def test_dead_holder_lease_expires(make_agent):
-    import time
-
     a = make_agent(gpus=1)
     start_unit(a, gpus=1)
     token = _lease_token(a, "gpuhub-kernel-t1")
@@ -126,10 +125,7 @@ def test_dead_holder_lease_expires(make_agent):
     assert a.call("GET", "/api/v1/node")[1]["committed"] == 1
     holder.kill()
     holder.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and a.call("GET", "/api/v1/node")[1]["committed"]:
-        time.sleep(0.2)
-    assert a.call("GET", "/api/v1/node")[1]["committed"] == 0
+    wait_for(lambda: a.call("GET", "/api/v1/node")[1]["committed"] == 0, 10, "the dead holder's lease to expire")
     assert "gpuhub_agent_leases_expired_total" in a.call("GET", "/metrics")[1]
 
 

@@ -1,5 +1,6 @@
-"""Large values beside the Raft log (DESIGN D4): the blob server and client over real sockets on
-127.0.0.1 (authentication, verification on receipt, malformed requests)."""
+"""Large values beside the Raft log: the blob server and client over real sockets on 127.0.0.1
+(authentication, verification on receipt, malformed requests). The digest and the store alone:
+tests/unit/test_digest.py, tests/unit/test_blobstore.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import struct
 import numpy as np
 import pytest
 
-from gpuhub.replication import blobclient, blobwire
+from gpuhub.replication import blobclient, blobwire, oob
 from gpuhub.replication.blobclient import BlobError, fetch, push, push_all
 from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
+from tests.unit.test_oob import MIB, blob_of
 
 KEY = b"k" * 32
 
@@ -40,6 +42,7 @@ def free_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+# --- network -------------------------------------------------------------------------------------
 def test_put_get_round_trip(servers):
     (srv,) = servers(1)
     value = b"hello" * 1000
@@ -194,3 +197,40 @@ def test_stop_returns_with_an_idle_connection_open(servers):
         assert sock.recv(1) == b""
     finally:
         sock.close()
+
+
+# --- out-of-band layouts over the network (gpuhub/replication/oob.py; the rest: tests/unit/test_oob.py)
+def test_push_and_fetch_of_a_layout_verify_and_corruption_is_refused():
+    stores = [BlobStore(file_backed=True) for _ in range(2)]
+    servers = [BlobServer(s, KEY, "127.0.0.1", 0).start() for s in stores]
+    try:
+        blob = blob_of({"a": np.arange(3 * MIB, dtype=np.uint8)})
+        d = digest(blob)
+        bad = bytearray(blob)
+        bad[oob.parse(blob)[1][0][0] + 5] ^= 0xFF  # one byte of the buffer frame
+        with pytest.raises(BlobError, match="digest mismatch"):
+            push(servers[1].address, KEY, {d: bad})
+        assert not stores[1].has(d)
+
+        push(servers[0].address, KEY, {d: blob})
+        assert stores[0].has(d)
+        got = fetch([servers[0].address], KEY, d, store=stores[1])
+        assert bytes(got) == blob
+        assert stores[1].map_private(d, oob.parse(blob)[1][0][0], 3 * MIB) is not None
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_corrupted_stored_layout_is_refused_by_fetch():
+    store = BlobStore()
+    server = BlobServer(store, KEY, "127.0.0.1", 0).start()
+    try:
+        blob = bytearray(blob_of(np.arange(MIB, dtype=np.uint8)))
+        d = digest(blob)
+        blob[-1] ^= 1  # the stored bytes differ from the digest they are stored under
+        store.put(d, blob)
+        with pytest.raises(BlobError, match="does not match"):
+            fetch([server.address], KEY, d)
+    finally:
+        server.stop()

@@ -22,6 +22,7 @@ from gpuhub.agent.units import ProcessRunner
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.dev.cluster import SchedulerProcess, current_user
 from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
+from tests.helpers import wait_for
 
 JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
@@ -327,10 +328,8 @@ async def test_reconcile_forgets_a_kernel_whose_replicas_all_died_and_stops_thei
         ReplicaRecord("n1", u["name"], u["connection"], id=i) for i, u in enumerate(units)])
     for u in units:  # the whole group dies (e.g. every node rebooted); the units stay listed, failed
         os.kill(a.call("GET", f"/api/v1/units/{u['name']}")[1]["main_pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(a.call("GET", f"/api/v1/units/{u['name']}")[1]["state"] != "failed" for u in units):
-        assert time.monotonic() < deadline, "the agent never saw the units fail"
-        time.sleep(0.1)
+    wait_for(lambda: all(a.call("GET", f"/api/v1/units/{u['name']}")[1]["state"] == "failed" for u in units),
+             10, "the agent to see the units fail")
     await s.reconcile()
     assert "k1" not in s.kernels
     for u in units:
@@ -352,17 +351,11 @@ def test_books_written_before_replica_ids_still_load(tmp_path):
         import urllib.request
 
         req = urllib.request.Request(sched.url + "/api/v1/kernels", headers={"Authorization": f"Bearer {sched.token}"})
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(req, timeout=5) as resp:
-                    kernels = json.loads(resp.read())["kernels"]
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        (k,) = kernels
+        def kernels():
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return json.loads(resp.read())["kernels"]
+
+        (k,) = wait_for(kernels, 20, "the scheduler to answer", ignore=(OSError,))
         assert [(r["id"], r["unit"]) for r in k["replicas"]] == [
             (0, "gpuhub-kernel-abc-r0"), (2, "gpuhub-kernel-abc-r2"), (1, "gpuhub-kernel-abc-r1")]
         assert all(r["state"] == "unknown" and r["connection"] == {"ip": "10.0.0.1"} for r in k["replicas"])

@@ -189,7 +189,7 @@ def test_one_member_with_the_wrong_key_the_majority_still_commits(make_group):
     assert complete(good[1], "c1", 1, 1, x="1") is True
     assert complete(good[0], "c2", 0, 2, y="2") is True
     assert wait_until(lambda: state(good[0]) == state(good[1]) == ({"x": b"1", "y": b"2"}, 2, 0, ["c1", "c2"]))
-    time.sleep(1.0)
+    time.sleep(1.0)  # the absence of an event: the bad member had time to join, and did not
     assert not bad.ready
     assert state(bad) == ({}, 0, None, [])
     assert not good[0].connected(a[2]) and not good[1].connected(a[2])
