@@ -18,9 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from gpuhub.platform.http_client import ApiClientError, default_client
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -293,18 +293,17 @@ class Stack:
 
     def api(self, path: str, **params: str) -> dict:
         q = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}{path}?{q}", timeout=10) as r:
-            return json.load(r)
+        resp = default_client().request("GET", f"{self.url}{path}?{q}", timeout=10)
+        if resp.status >= 400:
+            raise ApiClientError(resp.status, resp.data.decode(errors="replace"), path)
+        return resp.json()
 
     def query(self, expr: str) -> dict:
         """POST /api/v1/query; returns the JSON body, errors (HTTP 400/422) included."""
         data = urllib.parse.urlencode({"query": expr}).encode()
-        req = urllib.request.Request(f"{self.url}/api/v1/query", data=data)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as e:  # bad_data / execution errors
-            return json.load(e)
+        resp = default_client().request("POST", f"{self.url}/api/v1/query", data=data, timeout=10,
+                                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+        return resp.json()  # bad_data / execution errors (400, 422) have a JSON body too
 
 
 @pytest.fixture(scope="session")
@@ -369,7 +368,7 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
                 if r.get("status") == "success" and r["data"]["result"]:
                     ready = True
                     break
-            except OSError:
+            except ApiClientError:
                 pass
             time.sleep(0.5)
         if not ready:

@@ -349,16 +349,14 @@ def test_books_written_before_replica_ids_still_load(tmp_path):
     (sched.dir / "state" / "books.json").write_text(json.dumps(old))
     sched.start()
     try:
-        import urllib.request
+        from gpuhub.platform.http_client import ApiClientError, call_json_sync
 
-        req = urllib.request.Request(sched.url + "/api/v1/kernels", headers={"Authorization": f"Bearer {sched.token}"})
         deadline = time.monotonic() + 20
         while True:
             try:
-                with urllib.request.urlopen(req, timeout=5) as resp:
-                    kernels = json.loads(resp.read())["kernels"]
+                kernels = call_json_sync("GET", sched.url + "/api/v1/kernels", sched.token, timeout=5)[1]["kernels"]
                 break
-            except OSError:
+            except ApiClientError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
