@@ -34,8 +34,7 @@ from urllib3.exceptions import (
 IDEMPOTENT = frozenset({"GET", "PUT", "DELETE"})
 
 # urllib3 raises at the first error and follows no redirect; HttpClient.request decides on retries.
-# (urllib3's own Retry would also retry timeouts, doubling a caller's wait.) Built once: per-request
-# Retry objects are a measurable share of a lease round trip.
+# (urllib3's own Retry would also retry timeouts, doubling a caller's wait.) Built once, not per request.
 _NO_RETRY = Retry(total=False, redirect=False)
 
 
@@ -61,11 +60,7 @@ class Response:
 
 
 class _Connection:
-    """urllib3's connection, plus: a hook each time it is (re)opened (tests count them), and a small
-    body sent in one segment with the headers. urllib3 sends them apart; with TCP_NODELAY the
-    server then wakes twice per request, which a lease round trip (two small requests) feels."""
-
-    _held_body: bytes | None = None
+    """urllib3's connection, telling the client each time it is (re)opened: tests count them."""
 
     def __init__(self, *args: Any, on_connect: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -74,20 +69,6 @@ class _Connection:
     def connect(self) -> None:
         super().connect()
         self._on_connect()
-
-    def request(self, method: str, url: str, body: Any = None, headers: Any = None, **kwargs: Any) -> None:
-        if isinstance(body, bytes) and 0 < len(body) <= 16384:
-            headers = {**(headers or {}), "Content-Length": str(len(body))}
-            self._held_body, body = body, None
-        try:
-            super().request(method, url, body, headers, **kwargs)
-        finally:
-            self._held_body = None
-
-    def send(self, data: Any) -> None:
-        if self._held_body is not None:  # the first send is the headers
-            data, self._held_body = data + self._held_body, None
-        super().send(data)
 
 
 class _HTTPConnection(_Connection, HTTPConnection):
