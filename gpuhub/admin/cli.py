@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 
@@ -30,7 +29,7 @@ def cmd_kernelspecs(args) -> int:
 
 
 def cmd_nodes(args) -> int:
-    from gpuhub.platform.http_client import ApiClientError, call_json
+    from gpuhub.platform.http_client import ApiClientError, call_json_sync
     from gpuhub.scheduler.config import SchedulerConfig
 
     try:
@@ -41,7 +40,7 @@ def cmd_nodes(args) -> int:
         return 2
     host = "127.0.0.1" if config.listen_address in ("0.0.0.0", "::") else config.listen_address
     try:
-        _, body = asyncio.run(call_json("GET", f"http://{host}:{config.port}/api/v1/nodes", token))
+        _, body = call_json_sync("GET", f"http://{host}:{config.port}/api/v1/nodes", token)
     except ApiClientError as exc:
         print(f"gpuhub nodes: {exc}", file=sys.stderr)
         return 1

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import tomli_w
+
+from gpuhub.platform.http_client import ApiClientError, default_client
 
 
 def free_port() -> int:
@@ -67,7 +67,7 @@ class AgentProcess:
             try:
                 self.call("GET", "/api/v1/node")
                 return self
-            except (urllib.error.URLError, ConnectionError):
+            except ApiClientError:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"agent died: {(self.dir / 'agent.log').read_text()}")
                 time.sleep(0.1)
@@ -79,7 +79,7 @@ class AgentProcess:
             _, units = self.call("GET", "/api/v1/units")
             for u in units["units"]:
                 self.call("DELETE", f"/api/v1/units/{u['name']}")
-        except (OSError, KeyError, TypeError):
+        except (ApiClientError, KeyError, TypeError):
             pass
 
     def stop(self, kill: bool = False) -> None:
@@ -88,18 +88,13 @@ class AgentProcess:
             self.proc.wait(10)
 
     def call(self, method: str, path: str, body=None, token: str | None = "admin", raw: bytes | None = None):
-        headers = {"Content-Type": "application/json"}
         if token == "admin":
             token = self.token
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, method=method, data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, json.loads(resp.read() or b"null") if "json" in resp.headers.get("Content-Type", "") else resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        resp = default_client().request(method, self.url + path, token=token, data=data, timeout=10)
+        if resp.status < 400 and "json" not in resp.headers.get("Content-Type", ""):
+            return resp.status, resp.data.decode()
+        return resp.status, json.loads(resp.data or b"null")
 
 
 def current_user() -> str:
@@ -180,22 +175,16 @@ class DevCluster:
                 _, body = self.scheduler_call("GET", "/api/v1/nodes", token=self.scheduler.token)
                 if sum(n["live"] for n in body["nodes"]) == self.nodes:
                     return self
-            except (urllib.error.URLError, ConnectionError, KeyError, TypeError):
+            except (ApiClientError, KeyError, TypeError):
                 pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("the agents did not register with the scheduler")
 
     def scheduler_call(self, method: str, path: str, body=None, token: str | None = None, timeout: float = 60):
-        req = urllib.request.Request(self.scheduler.url + path, method=method,
-                                     data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Authorization": f"Bearer {token or self.user_token}",
-                                              "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        resp = default_client().request(method, self.scheduler.url + path, token=token or self.user_token,
+                                        body=body, timeout=timeout)
+        return resp.status, json.loads(resp.data or b"null")
 
     def agent(self, node: str) -> AgentProcess:
         return next(a for a in self.agents if a.name == node)
@@ -281,5 +270,5 @@ class DevKernel:
             self.loop.close()
             try:
                 self.cluster.scheduler_call("DELETE", f"/api/v1/kernels/{self.kernel_id}")
-            except OSError:
+            except ApiClientError:
                 pass

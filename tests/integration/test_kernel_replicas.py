@@ -348,14 +348,12 @@ def test_books_written_before_replica_ids_still_load(tmp_path):
     (sched.dir / "state" / "books.json").write_text(json.dumps(old))
     sched.start()
     try:
-        import urllib.request
+        from gpuhub.platform.http_client import ApiClientError, call_json_sync
 
-        req = urllib.request.Request(sched.url + "/api/v1/kernels", headers={"Authorization": f"Bearer {sched.token}"})
         def kernels():
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                return json.loads(resp.read())["kernels"]
+            return call_json_sync("GET", sched.url + "/api/v1/kernels", sched.token, timeout=5)[1]["kernels"]
 
-        (k,) = wait_for(kernels, 20, "the scheduler to answer", ignore=(OSError,))
+        (k,) = wait_for(kernels, 20, "the scheduler to answer", ignore=(ApiClientError,))
         assert [(r["id"], r["unit"]) for r in k["replicas"]] == [
             (0, "gpuhub-kernel-abc-r0"), (2, "gpuhub-kernel-abc-r2"), (1, "gpuhub-kernel-abc-r1")]
         assert all(r["state"] == "unknown" and r["connection"] == {"ip": "10.0.0.1"} for r in k["replicas"])

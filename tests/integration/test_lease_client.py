@@ -7,10 +7,13 @@ import socket
 import threading
 
 import pytest
+from urllib3.connection import HTTPConnection
+from urllib3.exceptions import NewConnectionError
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
-from gpuhub.kernel.lease_client import AgentConnection, LeaseClient, LeaseError
+from gpuhub.kernel.lease_client import LeaseClient, LeaseError
+from gpuhub.platform.http_client import ApiClientError, HttpClient
 
 TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT"}
 
@@ -50,7 +53,7 @@ def test_one_connection_for_many_grants(make_agent):
         client.release(grant)
     new = connections_to(agent.port) - before
     assert len(new) == 1, f"the agent accepted {len(new)} connections for 40 calls"
-    assert client.connection.opened == 1
+    assert client.http.connections_opened == 1
 
 
 def test_agent_restart_costs_one_reconnect(make_agent):
@@ -63,7 +66,7 @@ def test_agent_restart_costs_one_reconnect(make_agent):
     assert grant is not None
     client.release(grant)
     assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
-    assert client.connection.opened == 2
+    assert client.http.connections_opened == 2
 
 
 def test_agent_killed_then_back(make_agent):
@@ -84,7 +87,7 @@ def test_bad_token_is_a_clear_error(make_agent):
         client.try_grant(1)
     with pytest.raises(LeaseError, match="refused the lease: missing or invalid lease token"):
         client.try_grant(1)  # the 401 did not spoil the kept-alive connection
-    assert client.connection.opened == 1
+    assert client.http.connections_opened == 1
 
 
 class DroppingServer:
@@ -104,23 +107,88 @@ class DroppingServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
+            with conn, conn.makefile("rb") as reader:
                 for answer in (True, False):
-                    request = conn.recv(65536)
-                    if not request:
+                    method = self._read_request(reader)
+                    if method is None:
                         break
-                    self.requests.append(request.split(b" ", 2)[0])
+                    self.requests.append(method)
                     if answer:
                         conn.sendall(self.RESPONSE)
+
+    @staticmethod
+    def _read_request(reader) -> bytes | None:
+        """A whole request (headers and body may come in separate packets); its method."""
+        first = reader.readline()
+        if not first:
+            return None
+        length = 0
+        for line in iter(reader.readline, b"\r\n"):
+            if not line:
+                return None
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        reader.read(length)
+        return first.split(b" ", 1)[0]
 
 
 def test_a_request_lost_by_a_dropped_connection_is_retried_only_if_idempotent():
     server = DroppingServer()
-    conn = AgentConnection(f"http://127.0.0.1:{server.port}")
-    assert conn.request("GET", "/", None, {})[0] == 200
-    assert conn.request("DELETE", "/x", None, {})[0] == 200  # lost once, sent again on a new connection
+    http = HttpClient()
+    url = f"http://127.0.0.1:{server.port}"
+    assert http.request("GET", url + "/").status == 200
+    assert http.request("DELETE", url + "/x").status == 200  # lost once, sent again on a new connection
     assert server.requests == [b"GET", b"DELETE", b"DELETE"]
-    with pytest.raises(ConnectionError):
-        conn.request("POST", "/y", b"{}", {})  # the agent may have granted: never asked twice
-    assert server.requests == [b"GET", b"DELETE", b"DELETE", b"POST"]
+    assert http.request("PUT", url + "/x", body={}).status == 200  # idempotent too
+    assert server.requests == [b"GET", b"DELETE", b"DELETE", b"PUT", b"PUT"]
+    with pytest.raises(ApiClientError) as exc:
+        http.request("POST", url + "/y", body={})  # the agent may have granted: never asked twice
+    assert exc.value.status == 0
+    assert server.requests == [b"GET", b"DELETE", b"DELETE", b"PUT", b"PUT", b"POST"]
+    assert http.connections_opened == 3
     server.sock.close()
+
+
+def test_a_connection_that_cannot_be_made_is_tried_again_for_any_method():
+    """Nothing was sent, so even a grant may go again: the first connect fails (as a refused one
+    would, while the agent restarts), the second succeeds."""
+    server = DroppingServer()
+    url = f"http://127.0.0.1:{server.port}"
+    http = HttpClient()
+    refused = []
+
+    def refuse_once(self):  # the first connect fails as a refused one would
+        if not refused:
+            refused.append(1)
+            raise NewConnectionError(self, "Failed to establish a new connection: [Errno 111] Connection refused")
+        return real_new_conn(self)
+
+    real_new_conn = HTTPConnection._new_conn
+    HTTPConnection._new_conn = refuse_once
+    try:
+        assert http.request("POST", url + "/y", body={}).status == 200
+    finally:
+        HTTPConnection._new_conn = real_new_conn
+    assert refused and server.requests == [b"POST"]
+    server.sock.close()
+
+
+def test_a_closed_port_is_a_status_0_error_after_one_more_try():
+    port = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    with pytest.raises(ApiClientError) as exc:
+        HttpClient().request("POST", url + "/y", body={})
+    assert exc.value.status == 0 and "Connection refused" in exc.value.message
+
+
+def test_a_timeout_is_not_retried():
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never answers
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    http = HttpClient()
+    with pytest.raises(ApiClientError) as exc:
+        http.request("GET", url + "/", timeout=0.3)
+    assert exc.value.status == 0 and "timed out" in exc.value.message
+    assert http.connections_opened == 1
+    server.close()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from gpuhub.admin.kernelspecs import install
+from gpuhub.platform.http_client import ApiClientError, call_json_sync
 
 
 @pytest.fixture
@@ -57,9 +54,7 @@ async def test_gpu_kernel_through_provisioner(kernelspecs, cluster, tmp_path):
 
 
 def test_bad_user_token_is_refused(cluster):
-    req = urllib.request.Request(cluster["scheduler"].url + "/api/v1/kernels", method="POST",
-                                 data=json.dumps({"kernel_id": "abc", "key": "k"}).encode(),
-                                 headers={"Authorization": "Bearer wrong"})
-    with pytest.raises(urllib.error.HTTPError) as exc:
-        urllib.request.urlopen(req, timeout=5)
-    assert exc.value.code == 401
+    with pytest.raises(ApiClientError) as exc:
+        call_json_sync("POST", cluster["scheduler"].url + "/api/v1/kernels", "wrong",
+                       {"kernel_id": "abc", "key": "k"}, timeout=5)
+    assert exc.value.status == 401

@@ -23,9 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +34,7 @@ import pytest
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import AgentProcess, DevCluster
+from gpuhub.platform.http_client import ApiClientError, default_client
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -315,10 +314,9 @@ def start_node_exporter(tmp: Path) -> tuple[int, subprocess.Popen | None, Export
 
     def answers() -> bool:
         assert proc.poll() is None, f"node exporter exited: {(tmp / 'node-exporter.log').read_text()[-2000:]}"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            return b"node_load1" in r.read()
+        return b"node_load1" in default_client().request("GET", f"http://127.0.0.1:{port}/metrics", timeout=2).data
 
-    wait_for(answers, 20, "the node exporter to answer", ignore=(OSError,))
+    wait_for(answers, 20, "the node exporter to answer", ignore=(ApiClientError,))
     return port, proc, None
 
 
@@ -336,18 +334,17 @@ class Stack:
 
     def api(self, path: str, **params: str) -> dict:
         q = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}{path}?{q}", timeout=10) as r:
-            return json.load(r)
+        resp = default_client().request("GET", f"{self.url}{path}?{q}", timeout=10)
+        if resp.status >= 400:
+            raise ApiClientError(resp.status, resp.data.decode(errors="replace"), path)
+        return resp.json()
 
     def query(self, expr: str) -> dict:
         """POST /api/v1/query; returns the JSON body, errors (HTTP 400/422) included."""
         data = urllib.parse.urlencode({"query": expr}).encode()
-        req = urllib.request.Request(f"{self.url}/api/v1/query", data=data)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as e:  # bad_data / execution errors
-            return json.load(e)
+        resp = default_client().request("POST", f"{self.url}/api/v1/query", data=data, timeout=10,
+                                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+        return resp.json()  # bad_data / execution errors (400, 422) have a JSON body too
 
     def has_data(self, expr: str) -> bool:
         r = self.query(expr)
@@ -429,7 +426,7 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
 
         # Every agent scraped once with its counters at 0 ...
         wait_for(prometheus_has('count(gpuhub_agent_leases_granted_total == 0) == 4'), 60,
-                 "a first scrape of the four agents", ignore=(OSError,))
+                 "a first scrape of the four agents", ignore=(ApiClientError,))
         # ... then real lease traffic, so rate() over the counters is not 0: on the busy node kernel
         # a's replica takes both GPUs, and kernel b's replica there is refused one (409).
         assert stack.gpuhub.lease("a", busy, 2) == 200
@@ -439,7 +436,7 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
         # the last of the rules, needs a granted or refused lease in the last 5 minutes)
         wait_for(prometheus_has("min(count_over_time(up[1m])) >= 4 and on() "
                                 "count(cluster:gpuhub_lease_refusals:ratio_rate5m)"),
-                 60, f"prometheus data ({tmp / 'prometheus.log'})", interval=0.5, ignore=(OSError,))
+                 60, f"prometheus data ({tmp / 'prometheus.log'})", interval=0.5, ignore=(ApiClientError,))
         yield stack
     finally:
         for p in reversed(procs):

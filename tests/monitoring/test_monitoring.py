@@ -7,11 +7,11 @@ import json
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 import yaml
+
+from gpuhub.platform.http_client import default_client
 
 from .conftest import REPO, local_inventory, run_role_config
 
@@ -148,9 +148,7 @@ def test_scrape_jobs_up_with_tokens(monitoring_stack):
     # the real daemons answer /metrics only with their token: up means Prometheus sent it
     gpuhub = monitoring_stack.gpuhub
     for url in [a.url for a in gpuhub.agents.values()] + [gpuhub.dev.scheduler.url]:
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(url + "/metrics", timeout=10)
-        assert refused.value.code == 401, url
+        assert default_client().request("GET", url + "/metrics", timeout=10).status == 401, url
     # the agent's own node label is kept (honor_labels), no exported_node
     r = monitoring_stack.query("gpuhub_agent_gpus")["data"]["result"]
     assert sorted(s["metric"]["node"] for s in r) == ["gpu1", "gpu2", "gpu3", "hub1"]

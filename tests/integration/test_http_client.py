@@ -1,0 +1,89 @@
+"""The daemons' HTTP client: JSON in and out, one error type, the server's error message, async too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from gpuhub.platform.http_client import ApiClientError, HttpClient, call_json
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like the daemons' tornado servers
+    seen: ClassVar[list[tuple[str, str, bytes, str]]] = []
+
+    def _answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        Handler.seen.append((self.command, self.path, body, self.headers.get("Authorization", "")))
+        status, payload, ctype = {
+            "/ok": (200, b'{"a": 1}', "application/json"),
+            "/empty": (204, b"", "application/json"),
+            "/refused": (409, b'{"error": "all GPUs busy"}', "application/json"),
+            "/plain": (502, b"<html>bad gateway</html>", "text/html"),
+        }[self.path]
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    Handler.seen = []
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_json_in_and_out_with_the_token(server):
+    http = HttpClient()
+    assert http.call_json("POST", server + "/ok", "tok", {"gpus": 1}) == (200, {"a": 1})
+    assert http.call_json("POST", server + "/ok", "tok") == (200, {"a": 1})  # no body: "{}"
+    assert http.call_json("GET", server + "/ok", "tok") == (200, {"a": 1})  # no body at all
+    assert http.call_json("DELETE", server + "/empty", "tok") == (204, None)
+    assert [(m, b) for m, _, b, _ in Handler.seen] == [
+        ("POST", b'{"gpus": 1}'), ("POST", b"{}"), ("GET", b""), ("DELETE", b"")]
+    assert {auth for *_, auth in Handler.seen} == {"Bearer tok"}
+    assert http.connections_opened == 1
+
+
+def test_errors_carry_the_status_and_the_servers_message(server):
+    http = HttpClient()
+    with pytest.raises(ApiClientError) as exc:
+        http.call_json("POST", server + "/refused", "tok", {})
+    assert (exc.value.status, exc.value.message) == (409, "all GPUs busy")
+    assert str(exc.value) == f"{server}/refused: 409 all GPUs busy"
+    with pytest.raises(ApiClientError) as exc:
+        http.call_json("GET", server + "/plain", "tok")
+    assert (exc.value.status, exc.value.message) == (502, "Bad Gateway")
+    assert http.request("POST", server + "/refused", body={}).status == 409  # request() does not raise
+
+
+def test_async_call_json(server):
+    async def main():
+        ok = await call_json("PUT", server + "/ok", "tok", {"x": 1})
+        with pytest.raises(ApiClientError) as exc:
+            await call_json("GET", server + "/refused", "tok")
+        return ok, exc.value.status
+
+    assert asyncio.run(main()) == ((200, {"a": 1}), 409)
+    assert json.loads(Handler.seen[0][2]) == {"x": 1}
+
+
+def test_not_a_url():
+    with pytest.raises(ApiClientError) as exc:
+        HttpClient().request("GET", "127.0.0.1:8080/x")
+    assert exc.value.status == 0
