@@ -264,20 +264,5 @@ def make_app(agent: Agent, token: str) -> Application:
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
             (r"/metrics", MetricsHandler, args),
-        ],
-        log_function=_log_request,
-    )
-
-
-def _log_request(handler) -> None:
-    # Paths only: bodies and headers (tokens, keys) never reach the log.
-    import logging
-
-    status = handler.get_status()
-    level = logging.INFO if status < 400 else logging.WARNING
-    if handler.request.path == "/metrics" and status == 200:
-        level = logging.DEBUG
-    logging.getLogger("gpuhub.agent.access").log(
-        level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
-        1000 * handler.request.request_time(),
+        ]
     )

@@ -1,4 +1,6 @@
-"""The replica's side of per-cell GPU leases: ask the local agent, wait visibly, release.
+"""The replica's side of per-cell GPU leases: ask the local agent for a lease now, release it.
+
+Waiting for a GPU is the replica's business (every replica of the kernel asks; see kernel.py).
 
 Every cell of a GPU kernel asks the agent twice (grant, release), so the client keeps its HTTP/1.1
 connection to the agent open (:class:`~gpuhub.platform.http_client.HttpClient`) instead of paying a
@@ -9,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuhub.platform.http_client import ApiClientError, HttpClient
@@ -17,14 +18,6 @@ from gpuhub.platform.http_client import ApiClientError, HttpClient
 
 class LeaseError(RuntimeError):
     """The agent could not be asked, or refused for a reason waiting will not fix."""
-
-
-class LeaseTimeout(LeaseError):
-    pass
-
-
-class LeaseCancelled(LeaseError):
-    pass
 
 
 @dataclass
@@ -69,26 +62,6 @@ class LeaseClient:
         if status == 409:
             return None
         raise LeaseError(f"the GPU agent refused the lease: {body.get('error', status)}")
-
-    def acquire(self, gpus: int, timeout_s: float, on_wait: Callable[[str], None],
-                cancelled: Callable[[], bool] = lambda: False) -> Lease:
-        """A lease now, or wait (bounded) telling the user why; never a silent hang."""
-        start = time.monotonic()
-        delay, told = 0.05, 0.0
-        while True:
-            grant = self.try_grant(gpus)
-            if grant is not None:
-                return grant
-            waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise LeaseTimeout(f"no GPU became free on node {self.node} within {timeout_s:g} s")
-            if told == 0.0 or waited - told >= 30:
-                on_wait(f"[gpuhub] waiting for {gpus} GPU(s) on {self.node} (all busy; waited {waited:.0f} s)…\n")
-                told = waited or 1e-9
-            if cancelled():
-                raise LeaseCancelled("interrupted while waiting for a GPU")
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
     def release(self, grant: Lease) -> None:
         for attempt in range(3):

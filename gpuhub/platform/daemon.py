@@ -190,8 +190,8 @@ class Daemon(Application):
     async def serve(self) -> None:
         await self.prepare()
         web_app = self.make_web_app()
-        web_app.settings.setdefault("log_function", access_log(logging.getLogger(f"{self.log.name}.access"),
-                                                               self.quiet_paths))
+        web_app.settings["log_function"] = access_log(logging.getLogger(f"{self.log.name}.access"),
+                                                      self.quiet_paths)
         server = HTTPServer(web_app, xheaders=False)
         server.listen(self.settings.port, address=self.settings.listen_address)
         self.log.info("%s", self.listening_message())

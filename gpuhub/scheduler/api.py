@@ -181,14 +181,4 @@ def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Applic
         (r"/api/v1/kernels", KernelsHandler, args),
         (r"/api/v1/kernels/([a-z0-9-]+)", KernelHandler, args),
         (r"/metrics", MetricsHandler, args),
-    ], log_function=_log_request)
-
-
-def _log_request(handler) -> None:
-    status = handler.get_status()
-    level = logging.INFO if status < 400 else logging.WARNING
-    if handler.request.path in ("/metrics", "/api/v1/nodes/heartbeat") and status == 200:
-        level = logging.DEBUG
-    logging.getLogger("gpuhub.scheduler.access").log(
-        level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
-        1000 * handler.request.request_time())
+    ])
