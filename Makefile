@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements/dev.txt
 
 venv: $(STAMP)
 
-# Debian packages the controller needs to run the local podman cluster (TESTBED.md).
+# Debian packages the controller needs to run the local podman cluster (docs/testing.md).
 host-deps:
 	scripts/host-deps.sh
 

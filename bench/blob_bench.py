@@ -1,4 +1,4 @@
-"""State sync of one large changed value to both followers (DESIGN D4), on loopback.
+"""State sync of one large changed value to both followers (docs/architecture.md D4), on loopback.
 
 Run: `.venv/bin/python -m bench.blob_bench [SIZE_MIB [REPEATS]]`. Two ``BlobServer``s (the
 followers) run in this process on 127.0.0.1; each repeat changes one byte of a numpy-sized value

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offline wheelhouse for /opt/gpuhub/venv (DESIGN D7). Runs on the controller.
+# The offline wheelhouse for /opt/gpuhub/venv (docs/architecture.md D7). Runs on the controller.
 #
 #   scripts/build-wheelhouse.sh pin      regenerate requirements/runtime.txt (throwaway venv + freeze)
 #   scripts/build-wheelhouse.sh bundle   build (or reuse) the bundle; prints "bundle=<path>" and,

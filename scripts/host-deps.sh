@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian packages the controller needs to run the local podman test cluster (shared/TESTBED.md).
+# Debian packages the controller needs to run the local podman test cluster (docs/testing.md).
 # Idempotent: installs only what is missing, and does nothing at all when everything is there.
 set -euo pipefail
 

@@ -1,8 +1,8 @@
-"""Per-cell GPU leases on one node: the only authority over this node's GPUs (DESIGN D1).
+"""Per-cell GPU leases on one node: the only authority over this node's GPUs (docs/architecture.md D1).
 
 Pure logic, no I/O: the agent's HTTP API and the simulator drive the same class.
 
-Vocabulary (DESIGN §5):
+Vocabulary (docs/architecture.md, oversubscription vocabulary):
 - *pending* GPUs: the sum of the GPU specs of the replicas placed on this node;
 - *committed* GPUs: GPUs granted to an executing cell right now (never more than the node has).
 A grant is all-or-nothing and immediate: either ``n`` GPUs are free now, or the request is refused.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 
 class LeaseError(ValueError):
@@ -40,7 +40,7 @@ class Lease:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Lease":
+    def from_dict(cls, d: dict) -> Lease:
         return cls(
             lease_id=d["lease_id"],
             holder=d["holder"],

@@ -51,7 +51,7 @@ class AgentDaemon(Daemon):
     settings_class = AgentConfig
     config_file = Unicode("/etc/gpuhub/agent.toml", config=True, help="The TOML config file.")
     quiet_paths = ("/metrics",)
-    # Units keep running: restarting the agent must never stop a kernel (DESIGN D5).
+    # Units keep running: restarting the agent must never stop a kernel (docs/architecture.md D5).
     stop_message = "stopping; units keep running"
 
     def secret_files(self) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""What the agent remembers about a unit it started (the part systemd cannot tell it, DESIGN D5)."""
+"""What the agent remembers about a unit it started (the part systemd cannot tell it, docs/architecture.md D5)."""
 
 from __future__ import annotations
 

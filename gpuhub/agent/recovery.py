@@ -1,4 +1,4 @@
-"""What an agent restart needs to stop nothing and forget nothing (DESIGN D5): its state file,
+"""What an agent restart needs to stop nothing and forget nothing (docs/architecture.md D5): its state file,
 units systemd runs that the state file lost, and which leases still have a live holder.
 
 The :class:`~gpuhub.agent.service.Agent` runs these steps in :meth:`~gpuhub.agent.service.Agent.recover`.

@@ -2,7 +2,7 @@
 
 systemd (or the process runner) is the source of truth for what runs; the state file keeps what
 systemd cannot (who a unit belongs to, its GPU spec, live leases) so an agent restart stops nothing
-and forgets nothing (DESIGN D5).
+and forgets nothing (docs/architecture.md D5).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
 from gpuhub.agent.ports import kernel_connection, ports_taken
@@ -34,7 +35,6 @@ from gpuhub.agent.recovery import (
     pid_alive,
 )
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
-from gpuhub.agent.config import AgentConfig
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform.store import JsonStore
 

@@ -1,7 +1,7 @@
 """Start, stop and list units (kernel replicas, user notebook servers) as the user, never root.
 
 ``SystemdRunner`` is the real thing: transient units through ``systemd-run`` with limits,
-``NoNewPrivileges`` and a 0400 environment file for secrets (DESIGN D6). ``ProcessRunner`` runs
+``NoNewPrivileges`` and a 0400 environment file for secrets (docs/architecture.md D6). ``ProcessRunner`` runs
 plain child processes, for trying gpuhub on one machine and for fast tests; it is never used by the
 Ansible roles.
 """

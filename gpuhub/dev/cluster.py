@@ -56,7 +56,7 @@ class AgentProcess:
         self.config.write_text(tomli_w.dumps(settings))
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "AgentProcess":
+    def start(self) -> AgentProcess:
         self.log = open(self.dir / "agent.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
@@ -124,7 +124,7 @@ class SchedulerProcess:
             "replica_dead_grace_s": float(replica_dead_grace_s), "static_user_tokens": dict(user_tokens),
         }))
 
-    def start(self) -> "SchedulerProcess":
+    def start(self) -> SchedulerProcess:
         self.log = open(self.dir / "scheduler.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
@@ -153,7 +153,7 @@ class DevCluster:
         self.scheduler: SchedulerProcess | None = None
         self.agents: list[AgentProcess] = []
 
-    def start(self, timeout_s: float = 30) -> "DevCluster":
+    def start(self, timeout_s: float = 30) -> DevCluster:
         self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
                                           self.node_timeout_s, self.replica_dead_grace_s).start()
         # Consecutive port blocks from a random start: two clusters on one machine (parallel test

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int

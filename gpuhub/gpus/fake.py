@@ -29,7 +29,7 @@ class FakeInventory:
         self._busy: set[int] = set()
 
     @classmethod
-    def from_config(cls, fake: list[dict], node_name: str) -> "FakeInventory":
+    def from_config(cls, fake: list[dict], node_name: str) -> FakeInventory:
         specs = []
         for i, entry in enumerate(fake):
             if not isinstance(entry, dict):

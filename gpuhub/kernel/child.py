@@ -1,4 +1,4 @@
-"""The forked child that runs one GPU cell (DESIGN D2).
+"""The forked child that runs one GPU cell (docs/architecture.md D2).
 
 The replica process never initialises CUDA. For each cell it forks; this child sets
 ``CUDA_VISIBLE_DEVICES`` to exactly the granted GPUs *before any user code runs*, runs the cell

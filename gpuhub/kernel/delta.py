@@ -61,7 +61,7 @@ def namespace_delta(ns: dict, before: dict[str, int], digests: dict[str, str], h
         try:
             host_value, index = devices.to_host(value)
             data, known = pickle_value(host_value, out_of_band=out_of_band, alloc=alloc)
-        except Exception as exc:  # noqa: BLE001 - any pickling failure is reported by name
+        except Exception as exc:
             if rebound:
                 failed[name] = f"{type(value).__name__}: {exc}"
             continue

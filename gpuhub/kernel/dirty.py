@@ -1,4 +1,4 @@
-"""Which large buffers did a cell write? Linux page bits instead of re-pickling (DESIGN D4).
+"""Which large buffers did a cell write? Linux page bits instead of re-pickling (docs/architecture.md D4).
 
 After every cell the executor sends the group what the cell changed. For a mutable value that was
 not rebound, the only general test is to pickle it and compare digests, which for a 1 GiB numpy
@@ -214,7 +214,7 @@ def _layout(value, threshold: int) -> _Layout | None:
         if value.nbytes < threshold or value.dtype.hasobject:
             return None
         addr, lo, hi = value.ctypes.data, 0, value.itemsize
-        for n, stride in zip(value.shape, value.strides):
+        for n, stride in zip(value.shape, value.strides, strict=False):
             if stride < 0:
                 lo += stride * (n - 1)
             else:
@@ -239,7 +239,7 @@ def _tensor_layout(t, threshold: int) -> _Layout | None:
         key = ("tensor", id(t), addr, n, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                t._version, t.requires_grad, t.is_conj(), t.is_neg())
         return _Layout(key, addr, addr + n)
-    except Exception:  # noqa: BLE001 - an unusual tensor is simply not tracked
+    except Exception:
         return None
 
 

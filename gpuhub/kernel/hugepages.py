@@ -59,7 +59,7 @@ def prefer_huge_pages(value) -> bool:
         return False
 
 
-_collapse_queue: "queue.SimpleQueue | None" = None
+_collapse_queue: queue.SimpleQueue | None = None
 
 
 def collapse_later(value) -> None:
@@ -79,7 +79,7 @@ def collapse_later(value) -> None:
     _collapse_queue.put(value)
 
 
-def _collapse_worker(work: "queue.SimpleQueue") -> None:
+def _collapse_worker(work: queue.SimpleQueue) -> None:
     while True:
         value = work.get()
         prefer_huge_pages(value)

@@ -1,5 +1,5 @@
 """The gpuhub kernel: an IPython kernel that executes each cell of a GPU kernel in a forked child
-holding a per-cell GPU lease (DESIGN D2). CPU-only kernels execute in-process, as ipykernel does.
+holding a per-cell GPU lease (docs/architecture.md D2). CPU-only kernels execute in-process, as ipykernel does.
 
 A kernel started with a peers file is one replica of a Raft group (gpuhub/kernel/replica.py):
 every cell first elects its executor, only the executor runs it, the others load what it changed.
@@ -101,7 +101,7 @@ class GpuhubKernel(IPythonKernel):
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         if self.replica is not None:
-            # The router forwards only the executor's execute_reply (DESIGN D3).
+            # The router forwards only the executor's execute_reply (docs/architecture.md D3).
             metadata["gpuhub"] = {"replica": self.replica.id, "role": self._role}
         return metadata
 
@@ -296,7 +296,7 @@ class GpuhubKernel(IPythonKernel):
                 child.run(shell, code, silent=silent, store_history=store_history,
                               user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
                               digests=self._digests, device_tags=self._device_tags, hidden=hidden)
-            except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
+            except BaseException:
                 import traceback
 
                 traceback.print_exc(file=sys.__stderr__)
@@ -367,7 +367,7 @@ class GpuhubKernel(IPythonKernel):
             try:
                 value = self.getpass(prompt) if password else self.raw_input(prompt)
                 replies.send("input_reply", value, "")
-            except Exception as exc:  # noqa: BLE001 - the child raises it in user code
+            except Exception as exc:
                 replies.send("input_reply", None, f"{type(exc).__name__}: {exc}")
 
     def _apply_delta(self, delta: dict) -> None:
@@ -375,7 +375,7 @@ class GpuhubKernel(IPythonKernel):
         for name, data in delta["set"].items():
             try:
                 ns[name] = pickle.loads(data)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 sys.stderr.write(f"[gpuhub] warning: variable {name!r} could not be restored "
                                  f"after the GPU cell ({type(exc).__name__}: {exc}); it keeps its old value\n")
                 continue

@@ -1,4 +1,4 @@
-"""Ends a GPU cell after its reply: reap the cell's process, then give its grant back (DESIGN D2).
+"""Ends a GPU cell after its reply: reap the cell's process, then give its grant back (docs/architecture.md D2).
 
 A cell's GPU memory is free only once its process has exited, so the grant may end only after
 ``waitpid``. The reply and the commit need nothing from the exit (the child has sent its result

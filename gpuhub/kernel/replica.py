@@ -10,7 +10,7 @@ replica because the router forwards one message to all):
    or YIELD; the log decides the executor (gpuhub/replication/election.py); losers give back
    their grant at once;
 2. the executor runs the cell and commits ``complete`` with the names it changed: small pickles
-   inline, large ones pushed to the other replicas first and named by digest (DESIGN D4);
+   inline, large ones pushed to the other replicas first and named by digest (docs/architecture.md D4);
 3. the others wait for that entry (or an ``abort``, when the executor is lost, no GPU came in
    time, or the user interrupted the wait), then load the changed names. The kernel replies only
    then, so no replica starts cell n+1 before the delta of cell n is committed.
@@ -76,7 +76,7 @@ class Settings:
     inline_max_bytes: int = INLINE_MAX_BYTES
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         s = cls()
         for name, env in (("election_timeout_s", "GPUHUB_ELECTION_TIMEOUT_S"),
                           ("executor_lost_s", "GPUHUB_EXECUTOR_LOST_S"),
@@ -158,7 +158,7 @@ class Replica:
         self._peers_mtime = 0
 
     @classmethod
-    def from_env(cls, key: bytes, *, cells_in_process: bool = False) -> "Replica | None":
+    def from_env(cls, key: bytes, *, cells_in_process: bool = False) -> Replica | None:
         peers_file = os.environ.get("GPUHUB_PEERS_FILE")
         if not peers_file:
             return None
@@ -214,7 +214,7 @@ class Replica:
                         {p.raft for p in self.peers.values() if p.id != self.id})
                     if done:
                         log.info("replica %d (leader): membership change committed: %s", self.id, done)
-            except Exception as exc:  # noqa: BLE001 - retried next round; the kernel keeps serving
+            except Exception as exc:
                 log.warning("replica %d: membership update failed (will retry): %s", self.id, exc)
 
     def reload_peers(self) -> bool:
@@ -388,7 +388,7 @@ class Replica:
                 continue
             try:
                 ns[name] = self.load_value(entry)
-            except Exception as exc:  # noqa: BLE001 - a value this host cannot load must not kill the kernel
+            except Exception as exc:
                 log.error("replica %d cannot load %r: %s: %s", self.id, name, type(exc).__name__, exc)
                 failed.append(name)
                 continue

@@ -19,7 +19,8 @@ from collections.abc import Coroutine
 from typing import Any, ClassVar
 
 from tornado.httpserver import HTTPServer
-from tornado.web import Application as WebApplication, RequestHandler
+from tornado.web import Application as WebApplication
+from tornado.web import RequestHandler
 from traitlets import Enum, TraitError, Unicode, default, observe
 from traitlets.config import Application, Configurable
 from traitlets.config.loader import KVArgParseConfigLoader

@@ -246,7 +246,7 @@ def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
     def work() -> None:
         try:
             result, error = fn(*args), None
-        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+        except Exception as exc:
             result, error = None, exc
         try:
             loop.call_soon_threadsafe(settle, result, error)

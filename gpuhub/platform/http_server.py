@@ -72,7 +72,7 @@ class JsonHandler(RequestHandler):
             self.set_header("WWW-Authenticate", 'Bearer realm="gpuhub"')
         self.finish(json.dumps({"error": message}))
 
-    def log_exception(self, typ, value, tb) -> None:  # noqa: D401 - tornado hook
+    def log_exception(self, typ, value, tb) -> None:
         if isinstance(value, ApiError):
             log.info("%s %s -> %d: %s", self.request.method, self.request.path, value.status_code, value.message)
         else:

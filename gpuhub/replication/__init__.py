@@ -1,4 +1,4 @@
-"""How a kernel's replicas stay equal (DESIGN D4), one job per module:
+"""How a kernel's replicas stay equal (docs/architecture.md D4), one job per module:
 
 - ``election``: the pure rule that picks a cell's executor;
 - ``log``: the Raft log (pysyncobj): the replicated state machine and the typed group callers use;

@@ -99,7 +99,7 @@ def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | 
         try:
             push(addr, key, items, timeout)
             results[addr] = None
-        except Exception as e:  # noqa: BLE001 - reported per peer: one failure must not hide others
+        except Exception as e:
             results[addr] = str(e) if isinstance(e, BlobError) else f"{addr}: {e!r}"
 
     threads = [threading.Thread(target=one, args=(a,), name=f"blob-push-{a}", daemon=True)

@@ -1,4 +1,4 @@
-"""A kernel's replicated log: the Raft state machine its replicas share (pysyncobj, DESIGN D4).
+"""A kernel's replicated log: the Raft state machine its replicas share (pysyncobj, docs/architecture.md D4).
 
 The log carries small things only: executor proposals and votes, and for each finished cell the
 names it changed (small values inline, large values as a content digest whose bytes travel beside

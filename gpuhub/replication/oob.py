@@ -79,7 +79,7 @@ class Layout:
         if len(dest) != self.nbytes:
             raise ValueError(f"destination is {len(dest)} bytes, the layout {self.nbytes}")
         pieces = [(0, memoryview(self.head))]
-        for buf, off in zip(self.buffers, self.offsets):
+        for buf, off in zip(self.buffers, self.offsets, strict=False):
             pieces.append((off, buf))
         end = 0
         for start, piece in pieces:
@@ -161,7 +161,7 @@ def dumps(value, *, min_oob: int = OOB_MIN_BYTES) -> bytes | Layout:
         offsets.append(pos)
         pos += buf.nbytes
     head = b"".join([HEADER.pack(MAGIC, len(buffers), ALIGN, len(stream), pos),
-                     *(ENTRY.pack(off, buf.nbytes) for off, buf in zip(offsets, buffers)),
+                     *(ENTRY.pack(off, buf.nbytes) for off, buf in zip(offsets, buffers, strict=False)),
                      stream])
     return Layout(head, buffers, offsets, pos)
 

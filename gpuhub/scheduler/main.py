@@ -20,7 +20,7 @@ log = logging.getLogger("gpuhub.scheduler")
 async def _step(name: str, step) -> None:
     try:
         await step()
-    except Exception:  # noqa: BLE001 - one failed round must not stop the loop
+    except Exception:
         log.exception("%s failed", name)
 
 

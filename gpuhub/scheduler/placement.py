@@ -1,6 +1,6 @@
 """Where a kernel's replicas go. Pure logic: the scheduler and the simulator call the same function.
 
-Rules (DESIGN §5, following NotebookOS):
+Rules (docs/architecture.md, oversubscription vocabulary, following NotebookOS):
 - never two replicas of one kernel on one node;
 - a node must have at least as many GPUs as the kernel asks for per cell;
 - admission: the node's subscription ratio after placing stays at or under ``max_subscription_ratio``;
@@ -10,8 +10,8 @@ Placement never promises a grant: grants are the node agent's decision at cell t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class PlacementError(RuntimeError):

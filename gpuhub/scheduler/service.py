@@ -1,6 +1,6 @@
 """The scheduler: knows the nodes (from agent heartbeats), places kernel replicas, keeps its books.
 
-It never grants GPUs (the agents do, DESIGN D1); it only places replicas, using the counts the
+It never grants GPUs (the agents do, docs/architecture.md D1); it only places replicas, using the counts the
 agents report. Its books are persisted, and rebuilt from the agents' units on start (D5).
 """
 
@@ -224,7 +224,7 @@ class Scheduler:
                 raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
             await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
 
-    # --- healing: a replacement for a lost replica (DESIGN §3.5) -------------------------------
+    # --- healing: a replacement for a lost replica (docs/architecture.md, lost replicas) -------------------------------
     def node_live(self, name: str) -> bool:
         node = self.nodes.get(name)
         return node is not None and self.live(node)

@@ -2,7 +2,7 @@
 
 Selected per kernelspec (``metadata.kernel_provisioner.provisioner_name = "gpuhub-provisioner"``,
 config ``{"gpus": N, "replicas": R}``). The scheduler places R replicas; this provisioner runs the
-kernel's router (gpuhub/server/router.py, DESIGN D3) inside the Jupyter server and hands the server
+kernel's router (gpuhub/server/router.py, docs/architecture.md D3) inside the Jupyter server and hands the server
 the router's connection info, so the server sees one ordinary kernel. A restart keeps the router
 (and its ports) and swaps in fresh replicas.
 """
@@ -20,8 +20,8 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
-from gpuhub.server.router import KernelRouter
 from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.server.router import KernelRouter
 
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"
 

@@ -1,4 +1,4 @@
-"""The kernel router: N kernel replicas shown to a Jupyter server as one ordinary kernel (DESIGN D3).
+"""The kernel router: N kernel replicas shown to a Jupyter server as one ordinary kernel (docs/architecture.md D3).
 
 A gpuhub kernel runs as N replicas, each an ipykernel-based process with its own five ZeroMQ
 ports, all sharing the kernel's one HMAC key. The router runs inside the user's Jupyter server (the

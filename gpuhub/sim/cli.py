@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace_dir", metavar="TRACE_DIR")
     r.add_argument(
         "--policy",
-        choices=POLICIES + ("all",),
+        choices=(*POLICIES, "all"),
         default="gpuhub",
         help="GPU allocation policy; 'all' runs the three side by side (default: gpuhub)",
     )

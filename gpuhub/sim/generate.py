@@ -3,7 +3,7 @@
 Every distribution is a *quantile-matched* one: the published quantiles are points of the inverse
 CDF and the generator interpolates log-linearly between them (so each published p50/p90/p99 is met
 exactly, and values between two points are log-uniform). Points marked "assumption" are ours; the
-others come from REFERENCE.md ("Workload facts", production notebook traces; NotebookOS, ASPLOS'26).
+others are published figures of production notebook traces (NotebookOS, ASPLOS 2026).
 docs/simulator.md lists them with their sources.
 """
 
@@ -142,7 +142,7 @@ def generate(cfg: GenConfig) -> Trace:
         if spare > 0 and rel:
             k = min(1 + _poisson(rng, 2.0), max(1, len(rel) // 20))
             cuts = sorted(rng.random() for _ in range(k - 1))
-            shares = [b - a for a, b in zip([0.0] + cuts, cuts + [1.0])]
+            shares = [b - a for a, b in zip([0.0, *cuts], [*cuts, 1.0], strict=False)]
             slots = sorted(rng.randrange(len(rel) + 1) for _ in range(k))
             shifted = []
             shift = 0.0

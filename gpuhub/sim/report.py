@@ -38,7 +38,7 @@ def format_table(results: Sequence[SimResult]) -> str:
     rows = [
         [label] + [fmt.format(d[key]) for d in dicts] for key, label, fmt in TABLE_ROWS
     ]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = []
     first = dicts[0]
     lines.append(
@@ -46,9 +46,9 @@ def format_table(results: Sequence[SimResult]) -> str:
         f"autoscale={'on' if first['autoscale'] else 'off'}, loop={'closed' if first['closed_loop'] else 'open'}, "
         f"horizon {first['horizon_s'] / 3600:.1f} h"
     )
-    for j, row in enumerate([header] + rows):
+    for j, row in enumerate([header, *rows]):
         cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:])
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=False)
         ]
         lines.append("  ".join(cells))
         if j == 0:
@@ -82,7 +82,7 @@ def _thin(points: list, limit: int = 20000) -> list:
     if len(points) <= limit:
         return points
     step = len(points) // limit + 1
-    return points[::step] + [points[-1]]
+    return [*points[::step], points[-1]]
 
 
 def write_plot(results: Sequence[SimResult], path: str) -> None:

@@ -103,7 +103,7 @@ class HubUser:
         assert r.status_code == 201, f"kernel {kernelspec} for {self.name}: {r.status_code} {r.text[:800]}"
         return r.json()["id"]
 
-    def kernel(self, kernel_id: str) -> "KernelChannel":
+    def kernel(self, kernel_id: str) -> KernelChannel:
         return KernelChannel(self, kernel_id)
 
 
@@ -246,7 +246,7 @@ def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):
 
 
 def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
-    kid, channel = alice_kernel
+    _kid, channel = alice_kernel
     host = channel.run(WHERE)["stdout"].split()[0]
     r = http_session(cluster).get(f"{cluster.agent_url(host)}/api/v1/units",
                      headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)

@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.ports import (
     KERNEL_PORT_COUNT,
     free_ports,
@@ -16,7 +17,6 @@ from gpuhub.agent.ports import (
 )
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
-from gpuhub.agent.config import AgentConfig
 
 
 def agent(tmp_path) -> Agent:

@@ -235,7 +235,7 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
     wait_for(lambda: committed(agent) == 2, 30, "both GPUs granted to the first two cells")
     t3 = threading.Thread(target=go, args=(2,))
     t3.start()
-    for t in threads + [t3]:
+    for t in [*threads, t3]:
         t.join()
     first = {results[i][1]["stdout"].strip() for i in range(2)}
     assert len(first) == 2, results

@@ -19,8 +19,8 @@ import uuid
 import pytest
 
 from gpuhub.agent.units import ProcessRunner
-from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.dev.cluster import SchedulerProcess, current_user
+from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
 from tests.helpers import wait_for
 

@@ -102,7 +102,7 @@ def test_a_replica_restarts_from_its_journal_and_catches_up_from_its_peers(make_
     dirs = [tmp_path / f"r{i}" for i in range(3)]
     for d in dirs:
         d.mkdir()
-    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
     assert all(g.wait_ready(10) for g in groups)
     assert complete(groups[0], "c1", 0, 1, x="1") is True
     assert wait_until(lambda: all(state(g) == ({"x": b"1"}, 1, 0, ["c1"]) for g in groups))
@@ -121,7 +121,7 @@ def test_a_replica_restarts_from_its_journal_and_catches_up_from_its_peers(make_
     # the whole group down, then up again: everything comes back from the journals
     for g in (groups[0], groups[1], again):
         stop(g)
-    revived = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    revived = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
     assert all(g.wait_ready(10) for g in revived)
     assert wait_until(lambda: all(state(g) == expected for g in revived)), [state(g) for g in revived]
     assert complete(revived[2], "c4", 2, 4, z="4") is True  # and it goes on
@@ -135,7 +135,7 @@ def test_a_snapshot_rebuilds_a_replica_that_lost_its_journal(make_group, tmp_pat
     dirs = [tmp_path / f"r{i}" for i in range(3)]
     for d in dirs:
         d.mkdir()
-    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
     for g in groups:
         g.log.on_apply = lambda kind, cell: None  # unpicklable: must stay out of the snapshot
     assert all(g.wait_ready(10) for g in groups)
@@ -219,7 +219,7 @@ def test_raft_unavailable_after_the_majority_is_lost_is_not_a_rollback(make_grou
     dirs = [tmp_path / f"r{i}" for i in range(3)]
     for d in dirs:
         d.mkdir()
-    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs)]
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
     assert all(g.wait_ready(10) for g in groups)
     assert complete(groups[0], "c1", 0, 1, x="1") is True
     leader = a.index(groups[0].leader)

@@ -1,4 +1,4 @@
-"""The kernel router (DESIGN D3) in front of three real ipykernel processes, seen by a real client."""
+"""The kernel router (docs/architecture.md D3) in front of three real ipykernel processes, seen by a real client."""
 
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def test_saved_gpu_hours_arithmetic(monitoring_stack):
     """The daemons' own books: kernel a (2 GPUs x 3 replicas) and kernel b (1 GPU x 1 replica) are
     pending 2+2+2+1 = 7 -> 7/3 reserved-equivalent GPUs; kernel a's lease of 2 GPUs on the busy
     node is committed -> saved 7/3 - 2 = 1/3; one lease granted, one refused -> ratio 1/2."""
-    q = lambda e: float(monitoring_stack.query(e)["data"]["result"][0]["value"][1])
+    def q(e):
+        return float(monitoring_stack.query(e)["data"]["result"][0]["value"][1])
     books = monitoring_stack.gpuhub.books
     busy = monitoring_stack.busy_node
     # what the agents say (GET /api/v1/node), before looking at what Prometheus made of it

@@ -37,7 +37,7 @@ def in_child(fn):
             os.close(r)
             try:
                 out = ("ok", fn())
-            except BaseException:  # noqa: BLE001 - everything goes back to the test
+            except BaseException:
                 out = ("error", traceback.format_exc())
             os.write(w, pickle.dumps(out))
         finally:
@@ -229,7 +229,7 @@ def test_not_a_fresh_child_and_no_soft_dirty_means_no_tracker(monkeypatch):
 
 
 def test_soft_dirty_probe_matches_this_kernel():
-    assert dirty.SOFT_DIRTY == dirty._probe_soft_dirty()
+    assert dirty._probe_soft_dirty() == dirty.SOFT_DIRTY
     if not dirty.SOFT_DIRTY:
         assert dirty.Tracker.arm({}, [], forked=False) is None
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuhub.gpus.fake import FakeInventory, fake_uuid
 from gpuhub.gpus.base import GpuConfigError, NoGpus
+from gpuhub.gpus.fake import FakeInventory, fake_uuid
 from gpuhub.gpus.inventory import open_inventory
 from gpuhub.gpus.nvml import NvmlInventory, NvmlUnavailable
 

@@ -52,7 +52,7 @@ def imports(path: Path) -> list[tuple[int, str, list[str]]]:
 def is_policy(module: str, names: list[str]) -> bool:
     """``import gpuhub.agent.leases``, ``from gpuhub.agent.leases import LeaseBook`` or
     ``from gpuhub.agent import leases``."""
-    return module in POLICY or bool(names) and all(f"{module}.{n}" in POLICY for n in names)
+    return module in POLICY or (bool(names) and all(f"{module}.{n}" in POLICY for n in names))
 
 
 def violations(root: Path = ROOT) -> list[str]:

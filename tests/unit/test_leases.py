@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import pytest
 
 from gpuhub.agent.leases import LeaseBook, LeaseError
 

@@ -43,7 +43,7 @@ def test_buffers_are_page_aligned_and_the_blob_ends_with_the_last_one():
     assert all(off % ALIGN == 0 for off in layout.offsets)
     assert layout.nbytes == layout.offsets[-1] + MIB
     stream, spans = oob.parse(layout.to_bytes())
-    assert spans == [(off, len(b)) for off, b in zip(layout.offsets, layout.buffers)]
+    assert spans == [(off, len(b)) for off, b in zip(layout.offsets, layout.buffers, strict=False)]
     assert pickle.loads(stream, buffers=[bytes(b) for b in layout.buffers])[1].sum() == MIB
 
 
