@@ -80,7 +80,8 @@ def main() -> str:
             kernels = {
                 "plain ipykernel (anchor)": plain,
                 "gpuhub CPU kernel": gpuhub_kernel(agent, "gpuhub-kernel-bench-cpu", 0),
-                "gpuhub 1-GPU kernel (grant + fork + delta + release)": gpuhub_kernel(agent, "gpuhub-kernel-bench-gpu", 1),
+                "gpuhub 1-GPU kernel (grant + fork + delta + release)":
+                    gpuhub_kernel(agent, "gpuhub-kernel-bench-gpu", 1),
             }
             results = {label: measure(kc) for label, kc in kernels.items()}
             for kc in kernels.values():
@@ -96,7 +97,8 @@ def main() -> str:
     return "\n".join([
         "## Kernel cell round trip (issue #2)",
         "",
-        f"`make bench` → `python -m bench kernel`; {CELLS} cells of `x = 1` after {WARMUP} warm-up, same run, this machine.",
+        f"`make bench` → `python -m bench kernel`; {CELLS} cells of `x = 1` after {WARMUP} warm-up, "
+        "same run, this machine.",
         "",
         "| kernel | p50 ms | p99 ms | p50 vs anchor |",
         "|---|---|---|---|",

@@ -250,7 +250,8 @@ def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str
     if "B3b" in results:
         r = results["B3b"]
         lines.append(f"| {r['label']} (n={r['n']}) | p50 {r['p50']:.2f} s | plain p50 {r['anchor_p50']:.2f} s "
-                     f"| +{r['extra']:.2f} s → {r['gbps']:.2f} GB/s | ≥ 1 GB/s | {'yes' if r['gbps'] >= 1 else '**no**'} |")
+                     f"| +{r['extra']:.2f} s → {r['gbps']:.2f} GB/s | ≥ 1 GB/s "
+                     f"| {'yes' if r['gbps'] >= 1 else '**no**'} |")
     if "B4" in results:
         b = results["B4"]
         lines.append(f"| B4 kill idle replica + its agent → next cell done (n={len(b['times'])}) "

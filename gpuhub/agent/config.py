@@ -18,7 +18,8 @@ class AgentConfig(Configurable):
         config=True,
         help="URL the scheduler and the hub reach this agent at (default: http://{kernel_ip}:{port}).",
     )
-    kernel_ip = Unicode("127.0.0.1", config=True, help="Address kernel units listen on (their ZMQ, Raft and blob ports).")
+    kernel_ip = Unicode("127.0.0.1", config=True,
+                        help="Address kernel units listen on (their ZMQ, Raft and blob ports).")
     token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
                          help="File with the token callers of this agent's API present (mode 0600).")
     scheduler_url = Unicode(config=True, help="gpuhub-scheduler's URL to heartbeat to; empty: no heartbeats.")
@@ -40,7 +41,8 @@ class AgentConfig(Configurable):
     kernel_ports = List(Int(), default_value=[20000, 29999], config=True,
                         help="[first, last]: the ports of kernel units (5 Jupyter + Raft + blob each), "
                              "at least 7, from 1024 up.")
-    gpus = Dict(config=True, help="GPU inventory: backend = 'auto', 'nvml', 'fake' or 'none'; fake = [{name, memory_mib}].")
+    gpus = Dict(config=True,
+                help="GPU inventory: backend = 'auto', 'nvml', 'fake' or 'none'; fake = [{name, memory_mib}].")
     limits = Dict(config=True, help="Resource limits of units: kernel_memory_max, kernel_cpu_quota, "
                                     "server_memory_max, server_cpu_quota (systemd values).")
 

@@ -30,11 +30,13 @@ class AgentCollector:
             c.add_metric([node], a.counters[key])
             yield c
         busy = a.book.busy
+        label_names = ["node", "gpu", "uuid"]
         fams = {
-            "mem_used": GaugeMetricFamily("gpuhub_gpu_memory_used_bytes", "GPU memory in use", labels=["node", "gpu", "uuid"]),
-            "mem_total": GaugeMetricFamily("gpuhub_gpu_memory_total_bytes", "GPU memory", labels=["node", "gpu", "uuid"]),
-            "util": GaugeMetricFamily("gpuhub_gpu_utilization_ratio", "GPU utilisation (0-1)", labels=["node", "gpu", "uuid"]),
-            "committed": GaugeMetricFamily("gpuhub_gpu_committed", "1 while the GPU is granted to a cell", labels=["node", "gpu", "uuid"]),
+            "mem_used": GaugeMetricFamily("gpuhub_gpu_memory_used_bytes", "GPU memory in use", labels=label_names),
+            "mem_total": GaugeMetricFamily("gpuhub_gpu_memory_total_bytes", "GPU memory", labels=label_names),
+            "util": GaugeMetricFamily("gpuhub_gpu_utilization_ratio", "GPU utilisation (0-1)", labels=label_names),
+            "committed": GaugeMetricFamily("gpuhub_gpu_committed", "1 while the GPU is granted to a cell",
+                                           labels=label_names),
         }
         for g in a.gpus():
             labels = [node, str(g.index), g.uuid]

@@ -150,7 +150,8 @@ class SystemdRunner:
         # The environment file is read by PID 1 (root), so it stays root-owned 0400.
         env_path = self.runtime_dir / "units" / f"{spec.name}.env"
         write_private(env_path, env_text, 0, 0)
-        cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else pw.pw_dir
+        # In a thread: the user's directory may be on a network filesystem that can hang the event loop.
+        cwd = spec.cwd if spec.cwd and await asyncio.to_thread(os.path.isdir, spec.cwd) else pw.pw_dir
         props = [
             f"EnvironmentFile={env_path}",
             "NoNewPrivileges=yes",
@@ -253,14 +254,19 @@ class ProcessRunner(SystemdRunner):
             write_private(udir / fname, content, me.pw_uid, me.pw_gid)
         # Like systemd's: the agent reads it back after a restart (lease token, replica id).
         write_private(self.runtime_dir / "units" / f"{spec.name}.env", env_text, me.pw_uid, me.pw_gid)
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL")}
+        keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL")
+        env = {k: v for k, v in os.environ.items() if k in keep}
         env.update(spec.env)
-        cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir
+        # Not in a thread: with no await before the process is registered, concurrent starts cannot
+        # interleave (Agent.start_unit picks ports before and records the unit after); the dev backend's
+        # directories are local.
+        cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir  # noqa: ASYNC240
         # Outside the unit's directory, so it outlives the unit as the journal would.
         log_path = self.runtime_dir / "logs" / f"{spec.name}.log"
         log_path.parent.mkdir(exist_ok=True, mode=0o700)
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(
+        # A local file, and Popen returns once the child is forked: neither waits long.
+        with open(log_path, "ab") as logf:  # noqa: ASYNC230
+            proc = subprocess.Popen(  # noqa: ASYNC220
                 spec.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
@@ -286,7 +292,7 @@ class ProcessRunner(SystemdRunner):
         if pid is not None:
             try:
                 os.kill(pid, 0)
-                with open(f"/proc/{pid}/stat") as f:
+                with open(f"/proc/{pid}/stat") as f:  # noqa: ASYNC230 - procfs, answered from memory
                     if f.read().split(")")[-1].split()[0] != "Z":
                         return UnitStatus(name, True, "active", pid, me)
             except (ProcessLookupError, FileNotFoundError):
@@ -306,7 +312,7 @@ class ProcessRunner(SystemdRunner):
                 os.killpg(st.main_pid, signal.SIGTERM)
                 for _ in range(50):
                     os.kill(st.main_pid, 0)
-                    with open(f"/proc/{st.main_pid}/stat") as f:
+                    with open(f"/proc/{st.main_pid}/stat") as f:  # noqa: ASYNC230 - procfs, answered from memory
                         if f.read().split(")")[-1].split()[0] == "Z":
                             break
                     await asyncio.sleep(0.1)

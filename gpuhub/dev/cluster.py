@@ -57,11 +57,12 @@ class AgentProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> AgentProcess:
-        self.log = open(self.dir / "agent.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        # The child keeps its own copy of the descriptor; this process need not hold the file open.
+        with open(self.dir / "agent.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
@@ -69,7 +70,7 @@ class AgentProcess:
                 return self
             except ApiClientError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"agent died: {(self.dir / 'agent.log').read_text()}")
+                    raise RuntimeError(f"agent died: {(self.dir / 'agent.log').read_text()}") from None
                 time.sleep(0.1)
         raise RuntimeError("agent did not start")
 
@@ -125,11 +126,11 @@ class SchedulerProcess:
         }))
 
     def start(self) -> SchedulerProcess:
-        self.log = open(self.dir / "scheduler.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        with open(self.dir / "scheduler.log", "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         return self
 
     def stop(self) -> None:

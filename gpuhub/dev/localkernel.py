@@ -80,8 +80,9 @@ async def serve(args: argparse.Namespace) -> int:
         for r in record["replicas"]:
             _, unit = await asyncio.to_thread(cluster.agent(r["node"]).call, "GET", f"/api/v1/units/{r['unit']}")
             pids.append({"id": r["id"], "node": r["node"], "pid": unit.get("main_pid")})
-        print(json.dumps({"connection_file": str(Path(args.connection_file).resolve()), "kernel_id": kernel_id,
-                          "replicas": pids, "workdir": str(tmp)}), flush=True)
+        conn_path = str(Path(args.connection_file).resolve())  # noqa: ASYNC240 - once, on a path just written
+        print(json.dumps({"connection_file": conn_path, "kernel_id": kernel_id, "replicas": pids,
+                          "workdir": str(tmp)}), flush=True)
         await stop.wait()
         return 0
     finally:

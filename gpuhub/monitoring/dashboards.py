@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any
 
 # The classic dashboard schema (v1) is what Grafana's file provisioning loads on Grafana 10-12;
-# the SDK nudges towards its v2 schema on import.
+# the SDK nudges towards its v2 schema on import. This filter must run before the SDK is imported,
+# hence the `noqa: E402` on the imports below.
 warnings.filterwarnings("ignore", message="Prefer using dashboardv2", category=DeprecationWarning)
 
-from grafana_foundation_sdk.builders import common as common_b
-from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models import dashboard as dash_m
+from grafana_foundation_sdk.builders import common as common_b  # noqa: E402
+from grafana_foundation_sdk.builders import dashboard as dash  # noqa: E402
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries  # noqa: E402
+from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from grafana_foundation_sdk.models import common  # noqa: E402
+from grafana_foundation_sdk.models import dashboard as dash_m  # noqa: E402
 
 #: Default output: the grafana role's files (this file is gpuhub/monitoring/dashboards.py).
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parents[2] / "roles" / "grafana" / "files" / "dashboards"
@@ -171,11 +172,13 @@ def cluster_gpus() -> dash.Dashboard:
     d = d.with_panel(st("GPUs", f"sum(gpuhub_agent_gpus{{{NODE}}})",
                         description="GPUs the agents report (gpuhub_agent_gpus)."))
     d = d.with_panel(st("Pending GPUs", f"sum(gpuhub_agent_gpus_pending{{{NODE}}})",
-                        description="Sum of the GPU specs of the kernel replicas placed on the nodes (each kernel counts once per replica)."))
+                        description="Sum of the GPU specs of the kernel replicas placed on the nodes "
+                                    "(each kernel counts once per replica)."))
     d = d.with_panel(st("Committed GPUs", f"sum(gpuhub_agent_gpus_committed{{{NODE}}})",
                         description="GPUs granted to an executing cell right now."))
     d = d.with_panel(st("Subscription ratio", "max(gpuhub_cluster_subscription_ratio)", decimals=2,
-                        description="The scheduler's cluster subscription ratio: pending / (GPUs x replicas). Admission stops at max_subscription_ratio."))
+                        description="The scheduler's cluster subscription ratio: pending / (GPUs x replicas). "
+                                    "Admission stops at max_subscription_ratio."))
     d = d.with_panel(st("Kernels", "sum(gpuhub_scheduler_kernels)",
                         description="Replicated kernels the scheduler knows."))
     d = d.with_panel(st("Live nodes", 'sum(gpuhub_scheduler_nodes{state="live"})',
@@ -195,7 +198,8 @@ def cluster_gpus() -> dash.Dashboard:
             ("max(gpuhub_cluster_subscription_ratio)", "cluster (scheduler)"),
             (f"node:gpuhub_subscription_ratio:ratio{{{NODE}}}", "{{node}}"),
         ],
-        description="pending / (GPUs x replicas), cluster-wide as the scheduler computes it and per node (recording rule).",
+        description="pending / (GPUs x replicas), cluster-wide as the scheduler computes it "
+                    "and per node (recording rule).",
     ))
 
     # ---- per node
@@ -204,7 +208,8 @@ def cluster_gpus() -> dash.Dashboard:
                         [(f"sum by (node) (gpuhub_agent_gpus_committed{{{NODE}}})", "{{node}}")], w=8))
     d = d.with_panel(ts("Pending GPUs per node",
                         [(f"sum by (node) (gpuhub_agent_gpus_pending{{{NODE}}})", "{{node}}")], w=8))
-    d = d.with_panel(ts("Units per node", [(f"sum by (node, kind) (gpuhub_agent_units{{{NODE}}})", "{{node}} {{kind}}")],
+    d = d.with_panel(ts("Units per node",
+                        [(f"sum by (node, kind) (gpuhub_agent_units{{{NODE}}})", "{{node}} {{kind}}")],
                         w=8, description="systemd units the agents run: kernel replicas and notebook servers."))
 
     # ---- leases
@@ -251,7 +256,8 @@ def cluster_gpus() -> dash.Dashboard:
                         unit="bytes"))
     d = d.with_panel(ts(
         "GPU memory used (share of total)",
-        [(f"gpuhub_gpu_memory_used_bytes{{{NODE}}} / (gpuhub_gpu_memory_total_bytes{{{NODE}}} > 0)", "{{node}} GPU {{gpu}}")],
+        [(f"gpuhub_gpu_memory_used_bytes{{{NODE}}} / (gpuhub_gpu_memory_total_bytes{{{NODE}}} > 0)",
+          "{{node}} GPU {{gpu}}")],
         unit="percentunit", max_val=1,
     ))
     d = d.with_panel(ts("GPU bound to a cell", [(f"gpuhub_gpu_committed{{{NODE}}}", "{{node}} GPU {{gpu}}")],
@@ -271,7 +277,8 @@ def cluster_gpus() -> dash.Dashboard:
                         description="Reserved-equivalent minus committed GPU-hours: GPUs free for other kernels."))
     d = d.with_panel(st(
         "Saved share",
-        f"({gpu_hours('cluster:gpuhub_gpus_saved:sum')}) / (({gpu_hours('cluster:gpuhub_gpus_reserved_equivalent:sum')}) > 0)",
+        f"({gpu_hours('cluster:gpuhub_gpus_saved:sum')}) "
+        f"/ (({gpu_hours('cluster:gpuhub_gpus_reserved_equivalent:sum')}) > 0)",
         unit="percentunit", decimals=1, w=6,
     ))
     d = d.with_panel(ts(
@@ -293,8 +300,10 @@ def cluster_gpus() -> dash.Dashboard:
     d = d.with_panel(ts(
         "Server spawn duration",
         [
-            ('histogram_quantile(0.5, sum by (le) (rate(jupyterhub_server_spawn_duration_seconds_bucket{status="success"}[$__rate_interval])))', "p50"),
-            ('histogram_quantile(0.9, sum by (le) (rate(jupyterhub_server_spawn_duration_seconds_bucket{status="success"}[$__rate_interval])))', "p90"),
+            ("histogram_quantile(0.5, sum by (le) "
+             '(rate(jupyterhub_server_spawn_duration_seconds_bucket{status="success"}[$__rate_interval])))', "p50"),
+            ("histogram_quantile(0.9, sum by (le) "
+             '(rate(jupyterhub_server_spawn_duration_seconds_bucket{status="success"}[$__rate_interval])))', "p90"),
         ],
         unit="s", w=8, h=4,
     ))
@@ -399,14 +408,16 @@ def check(output_dir: Path) -> list[str]:
             problems.append("\n".join(list(diff)[:40]))
     for path in sorted(output_dir.glob("*.json")):
         if path.name not in rendered:
-            problems.append(f"{path}: not rendered by gpuhub.monitoring.dashboards (stale? remove it or add it to DASHBOARDS)")
+            problems.append(f"{path}: not rendered by gpuhub.monitoring.dashboards "
+                            "(stale? remove it or add it to DASHBOARDS)")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpuhub.monitoring.dashboards", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="default: %(default)s")
-    parser.add_argument("--check", action="store_true", help="fail if the committed JSON differs from the rendered JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="fail if the committed JSON differs from the rendered JSON")
     args = parser.parse_args(argv)
     if args.check:
         problems = check(args.output_dir)

@@ -90,7 +90,10 @@ class Daemon(Application):
                      help="Log level, by name (any case) or value.").tag(config=True)
     log_format = Unicode(LOG_FORMAT, help="The logging format template.").tag(config=True)
     # Application's --show-config flags would swap start(); the daemons do not use start().
-    flags = {"debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level.")}
+    # Not a ClassVar: traitlets' Application declares flags, aliases and classes as (overridable) attributes.
+    flags = {  # noqa: RUF012
+        "debug": ({"Application": {"log_level": logging.DEBUG}}, "Log at DEBUG level."),
+    }
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -179,7 +182,8 @@ class Daemon(Application):
         cli = self.cli_config.get(section, {})
         unknown = set(cli) - set(self.settings_class.class_traits(config=True))
         if unknown:
-            raise ConfigError(f"command line: unknown setting(s) {', '.join(f'{section}.{n}' for n in sorted(unknown))}")
+            names = ", ".join(f"{section}.{n}" for n in sorted(unknown))
+            raise ConfigError(f"command line: unknown setting(s) {names}")
         config = load_config_file(self.settings_class, self.config_file)
         config.merge(self.cli_config)  # the command line wins over the file
         self.update_config(config)

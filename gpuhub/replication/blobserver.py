@@ -29,9 +29,9 @@ class BlobServer:
 
     ``port=0`` picks a free port; :attr:`address` is ``host:port`` once started. ``max_blob`` caps
     one value's length; ``verify=False`` stores authenticated PUTs without re-hashing them (see "Verification
-    on receipt" in :mod:`gpuhub.replication.blobwire`); ``idle_timeout`` bounds how long a silent connection holds its thread
-    (``handshake_timeout`` one that has not authenticated yet), and at most ``max_conns``
-    connections are served at once (a thread each).
+    on receipt" in :mod:`gpuhub.replication.blobwire`); ``idle_timeout`` bounds how long a silent
+    connection holds its thread (``handshake_timeout`` one that has not authenticated yet), and at most
+    ``max_conns`` connections are served at once (a thread each).
     """
 
     def __init__(self, store: BlobStore, key: bytes, host: str, port: int,

@@ -161,7 +161,8 @@ class Scheduler:
         ]
 
     # --- kernels ---------------------------------------------------------------
-    async def create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int, cwd: str) -> KernelRecord:
+    async def create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int,
+                            cwd: str) -> KernelRecord:
         if not KERNEL_ID.match(kernel_id):
             raise ValueError("kernel_id must be 1-64 lowercase letters, digits or '-'")
         if kernel_id in self.kernels:
@@ -224,7 +225,7 @@ class Scheduler:
                 raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
             await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
 
-    # --- healing: a replacement for a lost replica (docs/architecture.md, lost replicas) -------------------------------
+    # --- healing: a replacement for a lost replica (docs/architecture.md, lost replicas) ------------------------------
     def node_live(self, name: str) -> bool:
         node = self.nodes.get(name)
         return node is not None and self.live(node)
@@ -367,7 +368,8 @@ class Scheduler:
                     continue
                 rec = self.kernels.get(kid)
                 if rec is None:
-                    rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [], time.time())
+                    rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [],
+                                                           time.time())
                     log.warning("reconcile: adopted kernel %s found on %s", kid, node.name)
                 known = next((r for r in rec.replicas if r.unit == name), None)
                 if known is None and rec.key:

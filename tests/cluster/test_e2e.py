@@ -300,8 +300,8 @@ def test_prometheus_scrapes_every_agent(cluster):
     agents = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
 
     def scraped():
-        r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query", params={"query": 'up{job="gpuhub-agent"}'},
-                         timeout=10)
+        r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query",
+                                      params={"query": 'up{job="gpuhub-agent"}'}, timeout=10)
         r.raise_for_status()
         series = r.json()["data"]["result"]
         return series if len(series) == len(agents) and all(s["value"][1] == "1" for s in series) else None
@@ -387,7 +387,13 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
             return False
     # The test before restarts a powered-off node: place this kernel only once every node is back.
     assert wait_for(agents_up, 120, interval=2), "not every GPU node's agent answers"
-    time.sleep(6)  # and has heartbeated to the scheduler since (gpuhub_agent_heartbeat_interval_s: 5)
+    back = time.time()
+
+    def heartbeated_since():  # the scheduler's view of every node is fresh, as `gpuhub nodes` shows it
+        listing = json.loads(cluster.exec(cluster.groups["hub"][0], "/opt/gpuhub/venv/bin/gpuhub", "nodes", "--json"))
+        seen = {n["node"]: n["last_seen"] for n in listing["nodes"] if n["live"]}
+        return all(seen.get(n, 0) > back for n in nodes)
+    assert wait_for(heartbeated_since, 60, interval=1), "not every GPU node heartbeated to the scheduler"
     kid = alice.start_kernel("gpuhub-gpu1")
     channel = alice.kernel(kid)
     hogs: list[tuple[str, str]] = []
@@ -405,7 +411,8 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
         cluster.exec(crashed, "systemctl", "kill", "-s", "KILL", f"{unit}.service")
         restarted = wait_for(lambda: (p := unit_props(cluster, crashed, unit, "NRestarts", "ActiveState"))
                              ["NRestarts"] == "1" and p["ActiveState"] == "active", 30, interval=1)
-        assert restarted, f"systemd did not restart {unit}: {unit_props(cluster, crashed, unit, 'NRestarts', 'ActiveState')}"
+        assert restarted, (f"systemd did not restart {unit}: "
+                           f"{unit_props(cluster, crashed, unit, 'NRestarts', 'ActiveState')}")
         assert channel.run("state += 1; print(state)", timeout=60)["stdout"].strip() == "2"
 
         # 2. Power cut of the other idle replica's server: a replacement starts on the spare node.
@@ -430,4 +437,5 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
         channel.close()
         alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
         if powered_off:
-            subprocess.run(["podman", "start", cluster.containers[powered_off]], env=env, capture_output=True, check=False)
+            subprocess.run(["podman", "start", cluster.containers[powered_off]], env=env, capture_output=True,
+                           check=False)

@@ -57,7 +57,8 @@ def test_admin_token_is_not_a_lease_token(make_agent):
      "'gpus' must be"),
     (b'{"kind": "server", "name": "evil; rm -rf /", "user": "u", "argv": ["/bin/true"]}', "unit name"),
     (b'{"kind": "server", "name": "gpuhub-server-x", "user": "u", "env": {"A": 1}}', "map strings to strings"),
-    (b'{"kind": "kernel", "name": "gpuhub-kernel-x", "user": "u", "kernel": "k"}', "field 'kernel' must be of type dict"),
+    (b'{"kind": "kernel", "name": "gpuhub-kernel-x", "user": "u", "kernel": "k"}',
+     "field 'kernel' must be of type dict"),
     (b'{"kind": "server", "name": "gpuhub-server-x", "user": "u", "argv": null}', "field 'argv' must be of type list"),
     (b'{"kind": "kernel", "name": "gpuhub-kernel-x", "user": "u", "gpus": 9, "kernel": {"key": "k"}}', "has 1"),
 ])

@@ -21,7 +21,8 @@ from gpuhub.agent.units import UnitError
 
 def agent(tmp_path) -> Agent:
     return Agent(AgentConfig(node_name="n1", state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run"),
-                             unit_backend="process", gpus={"backend": "fake", "fake": [{"name": "Fake", "memory_mib": 1024}]}))
+                             unit_backend="process",
+                             gpus={"backend": "fake", "fake": [{"name": "Fake", "memory_mib": 1024}]}))
 
 
 async def test_a_corrupt_state_file_is_kept_aside_and_rebuilt(tmp_path, caplog):

@@ -93,7 +93,7 @@ def test_wrong_key_is_refused_and_logged_without_the_key(servers, caplog):
     (srv,) = servers(1)
     wrong = b"not-the-key-0123456789"
     caplog.set_level(logging.INFO, logger="gpuhub.replication.blobserver")
-    with pytest.raises(BlobError, match="refused|authenticat"):
+    with pytest.raises(BlobError, match=r"refused|authenticat"):
         push(srv.address, wrong, {digest(b"v"): b"v"})
     with pytest.raises(BlobError, match="not available"):
         fetch([srv.address], wrong, digest(b"v"))
@@ -103,7 +103,7 @@ def test_wrong_key_is_refused_and_logged_without_the_key(servers, caplog):
     assert not any(k in r.getMessage() for r in caplog.records for k in (repr(KEY), repr(wrong)))
     # the server itself must prove the key too
     (impostor,) = servers(1, key=b"impostor-key")
-    with pytest.raises(BlobError, match="refused|authenticat"):
+    with pytest.raises(BlobError, match=r"refused|authenticat"):
         push(impostor.address, KEY, {digest(b"v"): b"v"})
     assert len(impostor.store) == 0
     push(srv.address, KEY, {digest(b"v"): b"v"})  # and it still serves the right key

@@ -266,7 +266,8 @@ def test_asyncio_in_a_gpu_cell(gpu_kernel):
     _, kc, _ = gpu_kernel
     reply, out = run(kc, "import asyncio\nawait asyncio.sleep(0.01)\nprint('awaited')")
     assert reply["status"] == "ok" and out["stdout"].strip() == "awaited", out
-    code = ("loop = asyncio.get_event_loop()\nprint(loop.is_running(), loop.run_until_complete(asyncio.sleep(0, 'ran')))\n"
+    code = ("loop = asyncio.get_event_loop()\n"
+            "print(loop.is_running(), loop.run_until_complete(asyncio.sleep(0, 'ran')))\n"
             "print(asyncio.run(asyncio.sleep(0, 'run')))")
     reply, out = run(kc, code)
     assert reply["status"] == "ok" and out["stdout"].split() == ["False", "ran", "run"], out

@@ -367,7 +367,8 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
         (creds / "agent.token").write_text(gpuhub.dev.agent_token + "\n")
         (creds / "scheduler.token").write_text(gpuhub.dev.scheduler.token + "\n")
         exporters = {
-            "jupyterhub": Exporter("jupyterhub", "/hub/metrics", _jupyterhub_body(), creds / "jupyterhub-metrics.token"),
+            "jupyterhub": Exporter("jupyterhub", "/hub/metrics", _jupyterhub_body(),
+                                   creds / "jupyterhub-metrics.token"),
             "dcgm": Exporter("dcgm", "/metrics", _static_body(DCGM_SAMPLE)),
         }
         for e in exporters.values():

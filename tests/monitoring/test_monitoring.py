@@ -171,7 +171,8 @@ def test_metric_names_are_in_the_contract():
 
 
 def test_promtool_check_config_rendered(monitoring_stack, prometheus_bins):
-    r = subprocess.run([prometheus_bins.promtool, "check", "config", str(monitoring_stack.config_dir / "prometheus.yml")],
+    r = subprocess.run([prometheus_bins.promtool, "check", "config",
+                        str(monitoring_stack.config_dir / "prometheus.yml")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 rule files found" in r.stdout + r.stderr
@@ -307,7 +308,8 @@ def test_prometheus_command_line_flags_exist(prometheus_bins, tmp_path, size):
     assert "--storage.tsdb.retention.time=30d" in args
     assert any(a.startswith("--storage.tsdb.retention.size") for a in args) == (size != "0")
     # unknown flags make Prometheus exit 1 before it looks at anything else
-    r = subprocess.run([prometheus_bins.prometheus, *args, "--version"], check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run([prometheus_bins.prometheus, *args, "--version"], check=False, capture_output=True, text=True,
+                       timeout=30)
     assert r.returncode == 0, r.stderr
 
 

@@ -43,9 +43,9 @@ def imports(path: Path) -> list[tuple[int, str, list[str]]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("gpuhub.")]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "gpuhub" or node.module.startswith("gpuhub."):
-                out.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+              and (node.module == "gpuhub" or node.module.startswith("gpuhub."))):
+            out.append((node.lineno, node.module, [a.name for a in node.names]))
     return out
 
 

@@ -80,7 +80,7 @@ def test_a_temporary_file_left_by_a_crash_does_not_matter(tmp_path):
 def test_a_corrupt_file_is_a_clear_error(tmp_path, raw):
     path = tmp_path / "state.json"
     path.write_bytes(raw)
-    with pytest.raises(CorruptStore, match="state.json is corrupt") as info:
+    with pytest.raises(CorruptStore, match=r"state\.json is corrupt") as info:
         JsonStore(path).load()
     assert info.value.path == path
     assert isinstance(info.value, ValueError)
