@@ -97,13 +97,19 @@ def test_three_replicas_agree_on_the_election_and_the_names(make_group):
         [state(g) for g in groups]
 
 
-def test_a_replica_restarts_from_its_journal_and_catches_up_from_its_peers(make_group, tmp_path):
+def journaled_groups(make_group, tmp_path):
+    """Three members, each with its journal in its own directory, all ready."""
     a = addrs(3)
     dirs = [tmp_path / f"r{i}" for i in range(3)]
     for d in dirs:
         d.mkdir()
-    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
+    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=True)]
     assert all(g.wait_ready(10) for g in groups)
+    return a, dirs, groups
+
+
+def test_a_replica_restarts_from_its_journal_and_catches_up_from_its_peers(make_group, tmp_path):
+    a, dirs, groups = journaled_groups(make_group, tmp_path)
     assert complete(groups[0], "c1", 0, 1, x="1") is True
     assert wait_until(lambda: all(state(g) == ({"x": b"1"}, 1, 0, ["c1"]) for g in groups))
 
@@ -215,12 +221,7 @@ def test_raft_unavailable_after_the_majority_is_lost_is_not_a_rollback(make_grou
     """The leader cut off from its majority raises RaftUnavailable, but the entry stays in its log
     and commits once the majority is back (plain Raft): RaftUnavailable means "not known to be
     committed", never "dropped". Every entry is first-wins or idempotent, which makes that safe."""
-    a = addrs(3)
-    dirs = [tmp_path / f"r{i}" for i in range(3)]
-    for d in dirs:
-        d.mkdir()
-    groups = [make_group(addr, a, journal_dir=d) for addr, d in zip(a, dirs, strict=False)]
-    assert all(g.wait_ready(10) for g in groups)
+    a, dirs, groups = journaled_groups(make_group, tmp_path)
     assert complete(groups[0], "c1", 0, 1, x="1") is True
     leader = a.index(groups[0].leader)
     others = [i for i in range(3) if i != leader]
