@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated": "bench.replicated_bench"}
+BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated": "bench.replicated_bench",
+           "lease": "bench.lease_bench"}
 
 
 def main(argv: list[str]) -> int:
