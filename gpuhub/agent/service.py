@@ -51,7 +51,11 @@ class Agent:
         self.runner = make_runner(config.unit_backend, config.runtime_dir, config.min_uid)
         self.units: dict[str, UnitRecord] = {}
         self.state_path = Path(config.state_dir) / "state.json"
-        self.store = JsonStore(self.state_path)  # 0600: lease token digests, who runs what
+        # 0600: lease token digests, who runs what. Saved at every grant and release, on a GPU cell's
+        # path, so not durable: what it describes (transient units, leases of running cells) does
+        # not survive a power loss of this node either, and a crash of the agent alone keeps the
+        # page cache. Atomic either way.
+        self.store = JsonStore(self.state_path, durable=False)
         self.journals = Journals(config.state_dir)
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
         self._gpu_cache: tuple[float, list] = (0.0, [])

@@ -84,3 +84,16 @@ def test_a_corrupt_file_is_a_clear_error(tmp_path, raw):
         JsonStore(path).load()
     assert info.value.path == path
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("durable,fsyncs", [(True, 2), (False, 0)])
+def test_only_a_durable_store_flushes_to_disk(tmp_path, monkeypatch, durable, fsyncs):
+    """The file and its directory entry for a durable store (the scheduler's books); none for the
+    agent's state, saved on every GPU cell's path, whose content a power loss ends anyway."""
+    calls = []
+    real = store_mod.os.fsync
+    monkeypatch.setattr(store_mod.os, "fsync", lambda fd: calls.append(fd) or real(fd))
+    s = JsonStore(tmp_path / "state.json", durable=durable)
+    s.save({"v": 1})
+    assert len(calls) == fsyncs
+    assert s.load() == {"v": 1}
