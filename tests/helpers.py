@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -28,33 +27,3 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "the
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
                                  + (f" (last error: {last!r})" if last else ""))
         time.sleep(interval)
-
-
-async def async_wait_for(predicate: Callable[[], T | Awaitable[T]], timeout: float = 10.0,
-                         what: str = "the condition", interval: float = 0.05) -> T:
-    """:func:`wait_for` inside an event loop: sleeps with asyncio, so the loop's own tasks run
-    while it waits. ``predicate`` may be a plain function or return an awaitable."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(interval)
-
-
-def wait_for_log(path, text: str, timeout: float = 10.0, start: int = 0) -> None:
-    """Wait until the file at ``path`` contains ``text`` after byte offset ``start``."""
-
-    def seen() -> bool:
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                return text.encode() in f.read()
-        except FileNotFoundError:
-            return False
-
-    wait_for(seen, timeout, f"{text!r} in {path}")

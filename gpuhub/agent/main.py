@@ -47,7 +47,6 @@ async def expiry_loop(agent: Agent) -> None:
 class AgentDaemon(Daemon):
     name = "gpuhub-agent"
     description = __doc__
-    classes = [AgentConfig]  # noqa: RUF012 - traitlets' convention; Application reassigns it per instance
     settings_class = AgentConfig
     config_file = Unicode("/etc/gpuhub/agent.toml", config=True, help="The TOML config file.")
     quiet_paths = ("/metrics",)

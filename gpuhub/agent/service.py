@@ -94,13 +94,6 @@ class Agent:
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
 
-    # --- journals (a kernel replica's Raft log on local disk) ----------------
-    def journal_root(self) -> Path:
-        return self.journals.root
-
-    def journal_dir(self, name: str) -> Path:
-        return self.journals.dir(name)
-
     # --- GPUs ----------------------------------------------------------------
     def gpus(self) -> list:
         now = time.monotonic()
@@ -176,7 +169,7 @@ class Agent:
             record.connection = conn
             files[CONNECTION_FILE] = json.dumps({**conn, "key": key})
             udir = self.runner.unit_dir(name)
-            journal = self.journal_dir(name)
+            journal = self.journals.dir(name)
             env.update(
                 GPUHUB_AGENT_URL=self.local_agent_url(),
                 GPUHUB_LEASE_TOKEN=token,

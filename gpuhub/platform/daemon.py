@@ -99,6 +99,8 @@ class Daemon(Application):
         super().__init_subclass__(**kwargs)
         # Named after the subclass, so --help shows its defaults.
         cls.aliases = {"config": f"{cls.__name__}.config_file", "log-level": f"{cls.__name__}.log_level"}
+        if "settings_class" in cls.__dict__:  # its traits are what --help-all and the command line know
+            cls.classes = [cls.settings_class]
 
     @observe("config")
     def _config_changed(self, change) -> None:

@@ -43,7 +43,6 @@ async def maintenance_loop(scheduler: Scheduler, heal_every_s: float = 2.0, reco
 class SchedulerDaemon(Daemon):
     name = "gpuhub-scheduler"
     description = __doc__
-    classes = [SchedulerConfig]  # noqa: RUF012 - traitlets' convention; Application reassigns it per instance
     settings_class = SchedulerConfig
     config_file = Unicode("/etc/gpuhub/scheduler.toml", config=True, help="The TOML config file.")
     quiet_paths = ("/metrics", "/api/v1/nodes/heartbeat")

@@ -296,18 +296,22 @@ def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
         bob.stop_server()
 
 
-def test_prometheus_scrapes_every_agent(cluster):
+def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
+    """The real daemons and the real JupyterHub, with the tokens the roles gave Prometheus (the
+    local monitoring tests stand in a stub for the hub: here it is the real one)."""
     agents = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
+    expected = {"gpuhub-agent": len(agents), "gpuhub-scheduler": 1, "jupyterhub": 1}
 
     def scraped():
         r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query",
-                                      params={"query": 'up{job="gpuhub-agent"}'}, timeout=10)
+                                      params={"query": 'up{job=~"gpuhub-agent|gpuhub-scheduler|jupyterhub"}'},
+                                      timeout=10)
         r.raise_for_status()
         series = r.json()["data"]["result"]
-        return series if len(series) == len(agents) and all(s["value"][1] == "1" for s in series) else None
+        up = {job: sum(s["metric"]["job"] == job and s["value"][1] == "1" for s in series) for job in expected}
+        return up if up == expected else None
 
-    series = wait_for(scraped, 45, interval=3)
-    assert series, f"expected {len(agents)} gpuhub-agent series with up == 1"
+    assert wait_for(scraped, 45, interval=3), f"expected these targets up: {expected}"
 
 
 def test_zz_losing_an_idle_replicas_server_loses_nothing(cluster, alice_kernel):

@@ -20,6 +20,7 @@ from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
 from gpuhub.replication import blobclient, oob
 from gpuhub.replication.digest import digest
+from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run, wait_for_output
 
 
@@ -224,19 +225,8 @@ def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
 
 
 def eventually(check, timeout_s: float, what: str):
-    """Retry ``check`` until it returns a truthy value (or stops raising); fail with ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-            last = "returned nothing"
-        except (AssertionError, TimeoutError, RuntimeError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s:g} s ({last})")
-        time.sleep(0.5)
+    """:func:`tests.helpers.wait_for`, where a failed assertion or a timed-out client counts as "not yet"."""
+    return wait_for(check, timeout_s, what, interval=0.5, ignore=(AssertionError, TimeoutError, RuntimeError))
 
 
 def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_path):
