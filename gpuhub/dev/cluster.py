@@ -91,8 +91,7 @@ class AgentProcess:
     def call(self, method: str, path: str, body=None, token: str | None = "admin", raw: bytes | None = None):
         if token == "admin":
             token = self.token
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        resp = default_client().request(method, self.url + path, token=token, data=data, timeout=10)
+        resp = default_client().request(method, self.url + path, token=token, body=body, data=raw, timeout=10)
         if resp.status < 400 and "json" not in resp.headers.get("Content-Type", ""):
             return resp.status, resp.data.decode()
         return resp.status, json.loads(resp.data or b"null")
