@@ -86,8 +86,9 @@ class Exporter:
     only for what cannot run here cheaply. JupyterHub: a real hub needs configurable-http-proxy
     (a Node.js program, not in the venv) and a database and spawner set up before /hub/metrics
     answers, so its exposition is made from the hub's own metric objects (jupyterhub.metrics)
-    instead; the cluster test checks that Prometheus scrapes the real hub with its token. DCGM: dcgm-exporter needs NVIDIA's DCGM and a GPU. The node exporter: only where
-    Debian's prometheus-node-exporter is not installed."""
+    instead; the cluster test checks that Prometheus scrapes the real hub with its token.
+    DCGM: dcgm-exporter needs NVIDIA's DCGM and a GPU. The node exporter: only where Debian's
+    prometheus-node-exporter is not installed."""
 
     name: str
     path: str
