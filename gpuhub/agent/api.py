@@ -117,7 +117,7 @@ class UnitsHandler(AgentHandler):
 class UnitHandler(AgentHandler):
     async def get(self, name: str) -> None:
         self.require_admin()
-        unit = await self.agent.unit_status(name)
+        unit = await self.agent.unit_status(name, with_error=True)
         if unit is None:
             raise ApiError(404, f"no unit {name}")
         self.write_json(unit)

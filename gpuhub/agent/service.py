@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import sys
 import time
@@ -39,6 +40,11 @@ from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform.store import JsonStore
 
 log = logging.getLogger(__name__)
+
+# The end of a stopped unit's log that GET /api/v1/units/{name} shows (its start error, mostly).
+ERROR_LINES = 20
+ERROR_CHARS = 4000
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
 
 class Agent:
@@ -252,12 +258,39 @@ class Agent:
         self.book.release_holder(name)
         self._leases_changed()
 
-    async def unit_status(self, name: str) -> dict | None:
+    async def unit_status(self, name: str, with_error: bool = False) -> dict | None:
+        """The unit's record and state; ``with_error``: for a unit that is not running, ``error`` is
+        the end of its log (why it exited, e.g. an ImportError), or None while it runs."""
         u = self.units.get(name)
         if u is None:
             return None
         st = await self.runner.status(name)
-        return self.unit_view(u, st.state, st.main_pid)
+        view = self.unit_view(u, st.state, st.main_pid)
+        if with_error:
+            view["error"] = None if st.active else await self.unit_error(name)
+        return view
+
+    async def unit_error(self, name: str) -> str | None:
+        """The last lines of a unit's log, bounded (ERROR_LINES, ERROR_CHARS), with the unit's
+        secrets (its lease token, the kernel key) blanked out: the log is the user's, the API
+        client may be a scheduler that shows it to the user, and neither needs a secret."""
+        text = (await self.runner.log_tail(name, ERROR_LINES)).strip()
+        if not text:
+            return None
+        for secret in self._unit_secrets(name):
+            text = text.replace(secret, "[secret]")
+        if len(text) > ERROR_CHARS:
+            text = "…" + text[-(ERROR_CHARS - 1):]
+        return text
+
+    def _unit_secrets(self, name: str) -> list[str]:
+        found = [v for k, v in self.runner.read_env(name).items() if SECRET_NAME.search(k)]
+        try:
+            conn = json.loads((self.runner.unit_dir(name) / CONNECTION_FILE).read_text())
+            found.append(str(conn.get("key", "")))
+        except (OSError, ValueError, AttributeError):
+            pass
+        return [s for s in found if len(s) >= 8]
 
     # --- leases --------------------------------------------------------------
     def unit_for_lease_token(self, token: str | None) -> UnitRecord | None:

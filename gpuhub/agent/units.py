@@ -23,6 +23,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 UNIT_NAME = re.compile(r"^gpuhub-(kernel|server)-[a-z0-9][a-z0-9_.-]{0,120}$")
+# The end of a unit's log that the agent reads back: enough for a traceback's last lines.
+LOG_TAIL_BYTES = 64 * 1024
 
 
 class UnitError(RuntimeError):
@@ -188,6 +190,12 @@ class SystemdRunner:
         pid = int(props.get("MainPID", "0") or 0) or None
         return UnitStatus(name, state in ("active", "activating", "reloading"), state, pid, props.get("User") or None)
 
+    async def log_tail(self, name: str, lines: int) -> str:
+        """The last ``lines`` lines of the unit's journal (its stdout and stderr, systemd's notes)."""
+        out = await self._run("journalctl", f"--unit={name}.service", f"--lines={int(lines)}", "--output=cat",
+                              "--no-pager", "--quiet", check=False)
+        return "\n".join(out.splitlines()[-lines:])
+
     async def list(self) -> list[str]:
         out = await self._run(
             "systemctl", "list-units", "--all", "--no-legend", "--plain", "gpuhub-kernel-*", "gpuhub-server-*",
@@ -262,7 +270,7 @@ class ProcessRunner(SystemdRunner):
         # directories are local.
         cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else me.pw_dir  # noqa: ASYNC240
         # Outside the unit's directory, so it outlives the unit as the journal would.
-        log_path = self.runtime_dir / "logs" / f"{spec.name}.log"
+        log_path = self.log_path(spec.name)
         log_path.parent.mkdir(exist_ok=True, mode=0o700)
         # A local file, and Popen returns once the child is forked: neither waits long.
         with open(log_path, "ab") as logf:  # noqa: ASYNC230
@@ -298,6 +306,20 @@ class ProcessRunner(SystemdRunner):
             except (ProcessLookupError, FileNotFoundError):
                 pass
         return UnitStatus(name, False, "gone", None, None)
+
+    def log_path(self, name: str) -> Path:
+        return self.runtime_dir / "logs" / f"{name}.log"
+
+    async def log_tail(self, name: str, lines: int) -> str:
+        """The last ``lines`` lines of the unit's output (stdout and stderr, like its journal)."""
+        try:
+            with open(self.log_path(name), "rb") as f:  # noqa: ASYNC230 - a local file, at most 64 KiB read
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - LOG_TAIL_BYTES))
+                data = f.read()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
     async def list(self) -> list[str]:
         udir = self.runtime_dir / "units"

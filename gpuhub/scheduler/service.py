@@ -47,14 +47,17 @@ class ReplicaRecord:
     id: int = -1  # the replica's id in the kernel's Raft group; books before replication: from "-r<i>"
     state: str = "unknown"  # the unit's state when the scheduler last asked its agent
     dead_since: float = 0.0  # when its unit was first seen dead (DEAD_UNIT_STATES); 0: not dead
+    error: str | None = None  # a dead unit's last log lines, from its agent (why it exited)
 
-    def note_state(self, state: str, now: float) -> None:
+    def note_state(self, state: str, now: float, error: str | None = None) -> None:
         """Record what the agent said; "unknown"/"unreachable" say nothing about the unit itself."""
         self.state = state
         if state in DEAD_UNIT_STATES:
             self.dead_since = self.dead_since or now
+            self.error = error or self.error
         elif state not in ("unknown", "unreachable"):
             self.dead_since = 0.0
+            self.error = None
 
     def __post_init__(self) -> None:
         if self.id is None or self.id < 0:
@@ -345,7 +348,8 @@ class Scheduler:
             return
         try:
             _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token, timeout=5)
-            rep.note_state(unit.get("state", "unknown"), time.time())
+            error = unit.get("error")
+            rep.note_state(unit.get("state", "unknown"), time.time(), error[-4000:] if isinstance(error, str) else None)
         except ApiClientError as exc:
             rep.note_state("gone" if exc.status == 404 else "unreachable", time.time())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+import sys
 
 import pytest
 
@@ -158,3 +159,26 @@ def test_kernel_ports_come_from_the_configured_range_and_are_not_handed_out_twic
     assert sorted(ports) == list(range(28000, 28014))
     status, err = agent.call("POST", "/api/v1/units", {"name": names[2], **body})
     assert status >= 400 and "no 7 free kernel ports left in 28000-28013" in err["error"]
+
+
+def test_a_dead_unit_shows_the_end_of_its_log_without_its_secrets(make_agent):
+    a = make_agent(gpus=0)
+    secret = secrets.token_urlsafe(16)
+    script = ("import os, sys\n"
+              "for i in range(40): print('line', i)\n"
+              "print('the token is', os.environ['GPUHUB_API_TOKEN'])\n"
+              "raise ImportError('No module named cryptography')\n")
+    status, unit = a.call("POST", "/api/v1/units", {
+        "name": "gpuhub-server-broken", "kind": "server", "user": current_user(),
+        "argv": [sys.executable, "-u", "-c", script], "env": {"GPUHUB_API_TOKEN": secret}})
+    assert status == 201, unit
+    unit = wait_for(lambda: (u := a.call("GET", "/api/v1/units/gpuhub-server-broken")[1])["state"] == "failed" and u,
+                    timeout=30, what="the unit to fail")
+    error = unit["error"]
+    assert error.endswith("ImportError: No module named cryptography")
+    assert "the token is [secret]" in error and secret not in error
+    assert len(error.splitlines()) <= 20 and "line 39" in error and "line 10" not in error
+    # a running unit has no error; the list leaves errors to the single-unit view
+    start_unit(a, gpus=0)
+    assert a.call("GET", "/api/v1/units/gpuhub-kernel-t1")[1]["error"] is None
+    assert all("error" not in u for u in a.call("GET", "/api/v1/units")[1]["units"])
