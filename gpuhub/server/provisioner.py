@@ -21,6 +21,7 @@ from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Float, Integer, Unicode
 
 from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
 from gpuhub.server.router import KernelRouter
 
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"
@@ -31,6 +32,8 @@ class GpuhubProvisioner(KernelProvisionerBase):
     replicas = Integer(3, config=True, help="Replicas of this kernel (on distinct nodes)")
     scheduler_url = Unicode(config=True, help="gpuhub-scheduler URL (default: /etc/gpuhub/client.toml)")
     poll_cache_s = Float(3.0, config=True, help="How long a poll answer is reused")
+    start_timeout_s = Float(120.0, config=True,
+                            help="How long a new kernel may take to answer kernel_info before its start fails")
 
     _record: dict | None = None
     _router: KernelRouter | None = None
@@ -96,7 +99,45 @@ class GpuhubProvisioner(KernelProvisionerBase):
         conn["key"] = key.encode()
         self.connection_info = conn
         self.log.info("gpuhub kernel %s on %s", self.kernel_id, ", ".join(r["node"] for r in record["replicas"]))
+        try:
+            await self._wait_answering(conn)
+        except KernelStartError as exc:
+            # jupyter_client does not clean up after a failed launch: stop what was started.
+            await self.kill()
+            await self.cleanup(restart=False)
+            self.log.error("gpuhub kernel %s did not start: %s", self.kernel_id, exc)
+            raise RuntimeError(f"gpuhub could not start the kernel: {exc}") from None
         return conn
+
+    async def _wait_answering(self, conn: dict) -> None:
+        """Return once the kernel answers kernel_info through its router. Raise KernelStartError, with
+        the replicas' errors (their agents keep the end of each dead replica's log), once too few of
+        its replicas run to make a majority, or when it does not answer within ``start_timeout_s``."""
+        last: list[dict] = []
+
+        async def failure() -> str | None:
+            try:
+                _, status = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token,
+                                            timeout=10)
+            except ApiClientError as exc:
+                if exc.status == 404:
+                    return "the scheduler stopped the kernel: none of its replicas was running"
+                return None  # the scheduler unreachable for a moment: ask again at the next try
+            replicas = status.get("replicas", [])
+            last[:] = replicas
+            dead = dead_replicas(replicas)
+            if replicas and len(replicas) - len(dead) <= len(replicas) // 2:
+                return (f"{len(dead)} of its {len(replicas)} replicas exited, so it cannot run:\n\n"
+                        f"{replica_errors(replicas)}")
+            return None
+
+        try:
+            await wait_until_answering(conn, conn["key"], failure, timeout_s=self.start_timeout_s)
+        except KernelStartError as exc:
+            if exc.timed_out and replica_errors(last):
+                raise KernelStartError(f"{exc}; its replicas that exited:\n\n{replica_errors(last)}",
+                                       timed_out=True) from None
+            raise
 
     async def poll(self) -> int | None:
         if self._record is None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from gpuhub.admin.kernelspecs import install
+from gpuhub.dev.cluster import DevCluster
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -58,3 +64,34 @@ def test_bad_user_token_is_refused(cluster):
         call_json_sync("POST", cluster["scheduler"].url + "/api/v1/kernels", "wrong",
                        {"kernel_id": "abc", "key": "k"}, timeout=5)
     assert exc.value.status == 401
+
+
+async def test_a_replica_start_error_fails_the_launch_with_that_error(tmp_path, monkeypatch):
+    """Replicas that exit at start (here: a module the kernel imports raises ImportError, as a
+    missing dependency would) make the launch fail with their error, which JupyterLab shows in its
+    kernel-start dialog, instead of a kernel that never answers."""
+    broken = tmp_path / "broken" / "pysyncobj"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('simulated: pysyncobj needs cryptography')\n")
+    # The agents hand PYTHONPATH to their replicas; only the kernel imports pysyncobj.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(broken.parent), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    dev = DevCluster(tmp_path / "cluster").start()
+    try:
+        install(str(tmp_path / "prefix"), [("cpu", 0)], replicas=3)
+        monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "prefix" / "share" / "jupyter"))
+        monkeypatch.setenv("GPUHUB_SCHEDULER_URL", dev.scheduler.url)
+        monkeypatch.setenv("GPUHUB_SCHEDULER_TOKEN", dev.user_token)
+        km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=KernelSpecManager())
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel(cwd=str(tmp_path))
+        message = str(failed.value)
+        assert "gpuhub could not start the kernel" in message
+        assert "ImportError: simulated: pysyncobj needs cryptography" in message
+        assert dev.user_token not in message
+        # the launch stopped what it started
+        assert call_json_sync("GET", dev.scheduler.url + "/api/v1/kernels", dev.user_token)[1]["kernels"] == []
+        for a in dev.agents:
+            assert a.call("GET", "/api/v1/units")[1]["units"] == []
+    finally:
+        dev.stop()
