@@ -2,6 +2,11 @@
 
 Each daemon is a real process started from a generated config (fake GPUs, the process unit
 backend); nothing is mocked. Traffic stays on the loopback interface.
+
+Daemons start in sessions of their own, as systemd would start them: a Ctrl-C in the terminal
+reaches only the program that started them (a test run, ``gpuhub local-kernel``), which then stops
+them in order: the units through their agents first (an agent stops on a signal but, by design,
+leaves its units running), then the agents and the scheduler.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -61,7 +67,7 @@ class AgentProcess:
         with open(self.dir / "agent.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -75,13 +81,39 @@ class AgentProcess:
         raise RuntimeError("agent did not start")
 
     def stop_units(self) -> None:
-        """Stop every unit this agent started (best effort: the agent may already be gone)."""
+        """Stop every unit this agent started: through its API, and then, should the agent be gone,
+        every replica process its pid files (process backend) still name."""
         try:
             _, units = self.call("GET", "/api/v1/units")
             for u in units["units"]:
                 self.call("DELETE", f"/api/v1/units/{u['name']}")
         except (ApiClientError, KeyError, TypeError):
             pass
+        for pid_file in (self.dir / "run" / "units").glob("*/pid"):
+            try:
+                kill_unit_process(int(pid_file.read_text()))
+            except (OSError, ValueError):
+                pass
+
+    def unit_pids(self) -> list[int]:
+        """The pids of the unit processes this agent started that still run (process backend)."""
+        pids = []
+        for pid_file in (self.dir / "run" / "units").glob("*/pid"):
+            try:
+                pid = int(pid_file.read_text())
+            except (OSError, ValueError):
+                continue
+            if is_unit_process(pid):
+                pids.append(pid)
+        return pids
+
+    def unit_log_tail(self, name: str, lines: int = 20) -> str:
+        """The end of a unit's output, where the process backend keeps it (``<runtime_dir>/logs``)."""
+        try:
+            text = (self.dir / "run" / "logs" / f"{name}.log").read_bytes()[-64 * 1024:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, kill: bool = False) -> None:
         if self.proc and self.proc.poll() is None:
@@ -95,6 +127,32 @@ class AgentProcess:
         if resp.status < 400 and "json" not in resp.headers.get("Content-Type", ""):
             return resp.status, resp.data.decode()
         return resp.status, json.loads(resp.data or b"null")
+
+
+def is_unit_process(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie) and is a unit the process backend started (a replica
+    or a server leads its own session), not an unrelated process that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] != "Z" and int(fields[3]) == pid  # state, session id
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def kill_unit_process(pid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM the session a unit process leads, SIGKILL it after ``grace_s``; wait until it is gone."""
+    if not is_unit_process(pid):
+        return
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while is_unit_process(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if is_unit_process(pid):
+            os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def current_user() -> str:
@@ -128,7 +186,7 @@ class SchedulerProcess:
         with open(self.dir / "scheduler.log", "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuhub.scheduler.main", "--config", str(self.config), "--log-level", "DEBUG"],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         return self
 
@@ -190,11 +248,12 @@ class DevCluster:
         return next(a for a in self.agents if a.name == node)
 
     def stop(self) -> None:
+        """Stop everything, in order: the scheduler (so it places nothing more), every unit, the agents."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
         for a in self.agents:
             a.stop_units()
             a.stop()
-        if self.scheduler is not None:
-            self.scheduler.stop()
 
 
 class LoopThread:

@@ -2,8 +2,14 @@
 
 It starts what a cluster would run, on 127.0.0.1 and without systemd: one agent per replica with
 fake GPUs (each replica on its own "node"), a scheduler that places the kernel, the replicas as
-processes, and the router in this process. Any Jupyter client can use the connection file. On
-SIGTERM or SIGINT everything it started is stopped.
+processes, and the router in this process. Any Jupyter client can use the connection file.
+
+It prints its ready line (JSON on stdout: the connection file, the replicas' pids) only once the
+kernel has answered a real ``kernel_info_request`` through the router. If a replica exits before
+that, or the kernel does not answer within ``--start-timeout``, it prints the replicas' errors (the
+end of each one's log, which the agent keeps), stops everything and exits 1. On SIGTERM, SIGINT or
+SIGHUP everything it started is stopped; the daemons run in sessions of their own, so a Ctrl-C in
+the terminal reaches only this process, which stops the replicas through their agents first.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from pathlib import Path
 from jupyter_client.connect import write_connection_file
 
 from gpuhub.dev.cluster import DevCluster
+from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
 from gpuhub.server.router import KernelRouter
+
+PROGRESS_EVERY_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connection-file", required=True, help="where to write the kernel's connection file")
     p.add_argument("--workdir", help="keep daemons' configs and logs here (default: a temporary directory)")
     p.add_argument("--log-level", default="WARNING", help="the router's log level (default WARNING)")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long the kernel may take to answer kernel_info before local-kernel gives up "
+                        "(default 120)")
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -40,9 +52,15 @@ def check(args: argparse.Namespace) -> str | None:
         return "--replicas must be at least 1"
     if args.gpus < 0 or args.fake_gpus < 0:
         return "--gpus and --fake-gpus cannot be negative"
+    if args.start_timeout <= 0:
+        return "--start-timeout must be positive"
     if args.gpus > args.fake_gpus:
         return f"each cell wants {args.gpus} GPU(s) but each node has only --fake-gpus {args.fake_gpus}"
     return None
+
+
+def say(text: str) -> None:
+    print(f"[gpuhub] {text}", file=sys.stderr, flush=True)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -56,12 +74,28 @@ async def serve(args: argparse.Namespace) -> int:
     router = None
     kernel_id = uuid.uuid4().hex[:12]
     stop = asyncio.Event()
+    got: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not got:
+            say(f"{signal.Signals(signum).name}: stopping the kernel, its agents and the scheduler…")
+        got.append(signum)
+        stop.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def interrupted() -> int:
+        say("interrupted before the kernel was ready")
+        return 128 + got[0]
+
     try:
-        print(f"[gpuhub] starting {args.replicas} agent(s) and a scheduler in {tmp}…", file=sys.stderr)
+        say(f"starting {args.replicas} agent(s) and a scheduler in {tmp}…")
+        # Each step is bounded (the harness's own deadlines); a signal is acted on between steps.
         await asyncio.to_thread(cluster.start)
+        if stop.is_set():
+            return interrupted()
         key = secrets.token_hex(32)
         status, record = await asyncio.to_thread(cluster.scheduler_call, "POST", "/api/v1/kernels", {
             "kernel_id": kernel_id, "key": key, "gpus": args.gpus, "replicas": args.replicas,
@@ -69,19 +103,39 @@ async def serve(args: argparse.Namespace) -> int:
         if status != 201 and status != 200:
             print(f"gpuhub local-kernel: the scheduler refused the kernel: {record}", file=sys.stderr)
             return 1
+        if stop.is_set():
+            return interrupted()
         replicas = [{"id": r["id"], **r["connection"]} for r in record["replicas"]]
         router = KernelRouter(replicas, key.encode())
         conn = await router.start()
-        write_connection_file(args.connection_file, ip=conn["ip"], key=key.encode(),
-                              shell_port=conn["shell_port"], iopub_port=conn["iopub_port"],
-                              stdin_port=conn["stdin_port"], control_port=conn["control_port"],
-                              hb_port=conn["hb_port"], transport="tcp", signature_scheme=conn["signature_scheme"])
         pids = []
         for r in record["replicas"]:
             _, unit = await asyncio.to_thread(cluster.agent(r["node"]).call, "GET", f"/api/v1/units/{r['unit']}")
             pids.append({"id": r["id"], "node": r["node"], "pid": unit.get("main_pid")})
+        started = ", ".join(f"{p['id']}: pid {p['pid']}" for p in pids)
+        say(f"replicas started ({started}); waiting for the kernel to answer…")
+        waiting = asyncio.create_task(wait_answering(cluster, record, {**conn, "key": key.encode()},
+                                                     args.start_timeout))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            return interrupted()
+        stopping.cancel()
+        try:
+            waiting.result()
+        except KernelStartError as exc:
+            print(f"gpuhub local-kernel: the kernel did not start: {exc}", file=sys.stderr, flush=True)
+            return 1
+        write_connection_file(args.connection_file, ip=conn["ip"], key=key.encode(),
+                              shell_port=conn["shell_port"], iopub_port=conn["iopub_port"],
+                              stdin_port=conn["stdin_port"], control_port=conn["control_port"],
+                              hb_port=conn["hb_port"], transport="tcp", signature_scheme=conn["signature_scheme"])
         conn_path = str(Path(args.connection_file).resolve())  # noqa: ASYNC240 - once, on a path just written
+        say(f"kernel ready: jupyter console --existing {conn_path}")
         print(json.dumps({"connection_file": conn_path, "kernel_id": kernel_id, "replicas": pids,
+                          "agents": [a.proc.pid for a in cluster.agents], "scheduler": cluster.scheduler.proc.pid,
                           "workdir": str(tmp)}), flush=True)
         await stop.wait()
         return 0
@@ -91,7 +145,43 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(cluster.stop)
         if not args.workdir:
             shutil.rmtree(tmp, ignore_errors=True)
-        print("[gpuhub] local kernel stopped", file=sys.stderr)
+        say("local kernel stopped")
+
+
+async def wait_answering(cluster: DevCluster, record: dict, connection: dict, timeout_s: float) -> None:
+    """Until the kernel answers kernel_info through the router; raise KernelStartError with the
+    replicas' errors if one of them exits first (a local kernel has no reason to lose one), or
+    with the end of each replica's log if it does not answer in time."""
+    kernel_id = record["kernel_id"]
+    seen: dict[str, str] = {}
+    last_progress = [0.0]
+
+    async def failure() -> str | None:
+        status, view = await asyncio.to_thread(cluster.scheduler_call, "GET", f"/api/v1/kernels/{kernel_id}",
+                                               timeout=10)
+        if status != 200:
+            return f"the scheduler lost the kernel ({status}: {view})"
+        seen.update({f"replica {r['id']}": r.get("state", "?") for r in view["replicas"]})
+        dead = dead_replicas(view["replicas"])
+        if dead:
+            return f"{len(dead)} of {len(view['replicas'])} replicas exited:\n\n{replica_errors(view['replicas'])}"
+        return None
+
+    def progress(elapsed: float) -> None:
+        if elapsed - last_progress[0] >= PROGRESS_EVERY_S:
+            last_progress[0] = elapsed
+            states = ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))
+            say(f"still waiting for the kernel to answer ({elapsed:.0f} s of {timeout_s:g}; {states})")
+
+    try:
+        await wait_until_answering(connection, connection["key"], failure, timeout_s=timeout_s, progress=progress)
+    except KernelStartError as exc:
+        if not exc.timed_out:
+            raise
+        logs = "\n\n".join(f"replica {r['id']} on {r['node']} ({r['unit']}), the end of its log:\n"
+                            f"{cluster.agent(r['node']).unit_log_tail(r['unit']) or '(empty)'}"
+                            for r in record["replicas"])
+        raise KernelStartError(f"{exc}\n\n{logs}", timed_out=True) from None
 
 
 def main(args: argparse.Namespace) -> int:
