@@ -121,3 +121,21 @@ def test_a_replica_that_cannot_start_is_reported_and_everything_stops(tmp_path):
         assert processes_using(tmp_path / "work") == {}
     finally:
         lk.close(tmp_path / "work")
+
+
+def test_a_kernel_that_never_answers_ends_at_the_start_timeout_with_each_replicas_log(tmp_path):
+    stuck = tmp_path / "stuck" / "pysyncobj"
+    stuck.mkdir(parents=True)
+    (stuck / "__init__.py").write_text("import sys, threading\n"
+                                       "print('replica stuck importing pysyncobj', file=sys.stderr, flush=True)\n"
+                                       "threading.Event().wait()\n")
+    lk = LocalKernel(tmp_path, "--replicas", "2", "--start-timeout", "10", pythonpath=(str(stuck.parent),))
+    try:
+        assert lk.proc.wait(90) == 1
+        err = lk.stderr()
+        assert "the kernel did not answer within 10 s" in err
+        assert err.count("replica stuck importing pysyncobj") == 2  # the end of each replica's log
+        assert "still waiting for the kernel to answer" in err  # progress while it waited
+        assert lk.out.read_text() == "" and processes_using(tmp_path / "work") == {}
+    finally:
+        lk.close(tmp_path / "work")
