@@ -21,8 +21,8 @@ What it does, and why:
   request that was not silent and had ``stop_on_error``), every ``execute_request`` held at that
   moment is answered "aborted" the way ipykernel 7 answers it and never reaches any replica;
 * nothing is forwarded before the replicas can take it: until every replica (or, after
-  ``startup_straggler_s``, a majority) is connected, has answered a heartbeat and has welcomed the
-  router's iopub subscription, requests are held, so a client's first ``kernel_info_request`` is
+  ``startup_straggler_s``, a majority) is connected and has welcomed the router's iopub
+  subscription, requests are held, so a client's first ``kernel_info_request`` is
   answered rather than lost;
 * the held queue is bounded (``max_held_requests``, ``max_held_bytes``); only verified messages
   are ever held, and what does not fit is dropped with a warning;
@@ -157,9 +157,9 @@ class _Replica:
 
     @property
     def ready(self) -> bool:
-        """Can take requests: every message it sends from now on reaches the router."""
-        return (self.answered and self.welcomed
-                and {"shell_port", "control_port", "iopub_port"} <= self.connected)
+        """Can take requests: every message it sends from now on reaches the router. (Its iopub's
+        welcome proves it runs: waiting for a heartbeat too would cost up to a ping interval.)"""
+        return self.welcomed and {"shell_port", "control_port", "iopub_port"} <= self.connected
 
     def url(self, key: str) -> str:
         return f"tcp://{self.ip}:{self.ports[key]}"
@@ -341,7 +341,7 @@ class KernelRouter:
         return 2 * len(self.live_replicas()) > len(self._replicas)
 
     def ready_replicas(self) -> list[int]:
-        """Replicas connected on every channel, welcomed on iopub and answering heartbeats."""
+        """Live replicas connected on every channel and welcomed on iopub."""
         now = time.monotonic()
         return sorted(r.id for r in self._replicas.values() if r.ready and self._is_live(r, now))
 
