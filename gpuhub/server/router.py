@@ -13,9 +13,26 @@ What it does, and why:
   ``metadata["gpuhub"]``), for anything else the first; iopub ``status``/``execute_input`` are
   de-duplicated so the client sees one busy and one idle per request, the idle being that of the
   replica whose reply it got; other outputs pass as they come (followers are silent by design);
+* shell requests are forwarded in arrival order, one execute at a time: once an
+  ``execute_request`` is forwarded, later shell requests wait in the router until its reply has
+  reached the client, so every replica sees the same order and no replica has a local queue
+  (control requests, such as interrupt and shutdown, are never held behind it);
+* stop-on-error is decided here, once: when the forwarded ``execute_reply`` is an error (of a
+  request that was not silent and had ``stop_on_error``), every ``execute_request`` held at that
+  moment is answered "aborted" the way ipykernel 7 answers it and never reaches any replica;
+* nothing is forwarded before the replicas can take it: until every replica (or, after
+  ``startup_straggler_s``, a majority) is connected and has welcomed the router's iopub
+  subscription, requests are held, so a client's first ``kernel_info_request`` is
+  answered rather than lost;
+* the held queue is bounded (``max_held_requests``, ``max_held_bytes``); only verified messages
+  are ever held, and what does not fit is dropped with a warning;
 * messages are forwarded as raw frames, never re-signed: the replicas already sign with the
-  kernel's key, and re-signing would mean the router could forge anything. It still checks every
-  signature, so a peer without the key cannot use it as a relay;
+  kernel's key. The router checks every signature, so a peer without the key cannot use it as a
+  relay. It signs only what it says itself: the aborted replies above with their busy/idle, and
+  the ``iopub_welcome`` (JEP 65) for each new subscription on its XPUB iopub socket. It holds the
+  key anyway, as does the Jupyter server that runs it, so this grants no new power;
+* the client-facing shell, control and stdin ROUTERs hand a routing id over to its newest peer
+  (``ROUTER_HANDOVER``, as ipykernel), so a client that reconnects with its session id gets replies;
 * it answers the client's heartbeat itself while a majority of replicas answers its own pings,
   because that is exactly when the kernel can still commit (Raft): below a majority, the Jupyter
   server must see the kernel as dead.
@@ -29,12 +46,15 @@ import hmac
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from jupyter_client.session import Session
+from zmq.utils.monitor import parse_monitor_message
 
 DELIM = b"<IDS|MSG>"
 PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -68,6 +88,28 @@ class _Msg:
 
     def content(self) -> dict[str, Any]:
         return _loads(self.frames[self.idx + 5])
+
+    @property
+    def size(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+@dataclass
+class _Held:
+    """A verified client request the router holds: not yet forwarded to any replica."""
+
+    msg: _Msg
+    channel: str
+
+
+@dataclass
+class _Running:
+    """The forwarded execute_request whose reply the held shell requests wait for."""
+
+    msg_id: str
+    silent: bool
+    stop_on_error: bool
+    sent_to: set[int]
 
 
 def _loads(raw: bytes) -> dict[str, Any]:
@@ -108,7 +150,16 @@ class _Replica:
     answered: bool = False  # has answered a heartbeat at least once
     grace_s: float = 0.0  # extra time to answer the first heartbeat
     sockets: dict[str, zmq.asyncio.Socket] = field(default_factory=dict)
+    monitors: list[zmq.asyncio.Socket] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    connected: set[str] = field(default_factory=set)  # channels whose ZMTP handshake succeeded
+    welcomed: bool = False  # the replica's iopub welcomed our subscription: outputs will reach us
+
+    @property
+    def ready(self) -> bool:
+        """Can take requests: every message it sends from now on reaches the router. (Its iopub's
+        welcome proves it runs: waiting for a heartbeat too would cost up to a ping interval.)"""
+        return self.welcomed and {"shell_port", "control_port", "iopub_port"} <= self.connected
 
     def url(self, key: str) -> str:
         return f"tcp://{self.ip}:{self.ports[key]}"
@@ -131,6 +182,11 @@ class KernelRouter:
     # or more): it counts as live for this long, so a router started together with its replicas
     # does not declare the kernel dead before it ever ran.
     startup_grace_s: float = 30.0
+    # Requests wait until every replica is ready; once a majority is, the others get this long.
+    startup_straggler_s: float = 5.0
+    # Bounds on what the router holds (requests waiting for their turn or for the replicas).
+    max_held_requests: int = 1000
+    max_held_bytes: int = 64 << 20
 
     def __init__(self, replicas: list[dict], key: bytes, *, ip: str = "127.0.0.1",
                  ports: dict | None = None, signature_scheme: str = "hmac-sha256",
@@ -166,6 +222,17 @@ class KernelRouter:
         self._startup_status_sent: set[str] = set()
         self._info: dict | None = None
         self._stopped = False
+        # What the router says itself is signed with the kernel's key (see the module docstring).
+        self._session = Session(key=self.key, signature_scheme=signature_scheme,
+                                username="gpuhub-router")
+        self._held: deque[_Held] = deque()  # shell requests, in arrival order
+        self._held_control: deque[_Held] = deque()  # control requests, only until the replicas are up
+        self._held_bytes = 0
+        self._running: _Running | None = None
+        self._open = False  # replicas are up: requests go through
+        self._started_at = 0.0
+        self._majority_ready_at: float | None = None
+        self._order = asyncio.Lock()  # forwarding shell requests: one decision at a time
 
     # ---------------------------------------------------------------- public API
 
@@ -177,12 +244,18 @@ class KernelRouter:
             raise RuntimeError("router was stopped")
         self._ctx = zmq.asyncio.Context()
         kinds = {"shell_port": zmq.ROUTER, "control_port": zmq.ROUTER, "stdin_port": zmq.ROUTER,
-                 "iopub_port": zmq.PUB, "hb_port": zmq.ROUTER}
+                 "iopub_port": zmq.XPUB, "hb_port": zmq.ROUTER}
         info: dict[str, Any] = {"ip": self.ip, "transport": "tcp"}
         try:
             for key, kind in kinds.items():
                 sock = self._ctx.socket(kind)
                 sock.linger = 0
+                if key in ("shell_port", "control_port", "stdin_port"):
+                    # as ipykernel: a client reconnecting with its routing id (its session) takes it over
+                    sock.router_handover = 1
+                elif kind == zmq.XPUB:
+                    # report every subscription, not only a topic's first: each client gets a welcome
+                    sock.setsockopt(zmq.XPUB_VERBOSE, 1)
                 self._client[key] = sock
                 if self._want_ports[key]:
                     sock.bind(f"tcp://{self.ip}:{self._want_ports[key]}")
@@ -195,6 +268,7 @@ class KernelRouter:
         info["signature_scheme"] = self.signature_scheme
         info["key"] = self.key
         now = time.monotonic()
+        self._started_at = now
         for rep in self._replicas.values():
             rep.last_seen = now  # all count as live until the first heartbeat round can tell
             rep.grace_s = self.startup_grace_s
@@ -206,6 +280,7 @@ class KernelRouter:
         for key, handler, what in pumps:
             self._tasks.append(asyncio.ensure_future(
                 self._pump(self._client[key], handler, what, channel=key)))
+        self._tasks.append(asyncio.ensure_future(self._subscriptions()))
         self._tasks.append(asyncio.ensure_future(self._heartbeat_loop()))
         self._info = info
         self.log.info("kernel router on %s for replicas %s", self.ip,
@@ -265,6 +340,20 @@ class KernelRouter:
     def majority_alive(self) -> bool:
         return 2 * len(self.live_replicas()) > len(self._replicas)
 
+    def ready_replicas(self) -> list[int]:
+        """Live replicas connected on every channel and welcomed on iopub."""
+        now = time.monotonic()
+        return sorted(r.id for r in self._replicas.values() if r.ready and self._is_live(r, now))
+
+    @property
+    def accepting(self) -> bool:
+        """The replicas are up (see the module docstring): requests are no longer held for them."""
+        return self._open
+
+    def held(self) -> tuple[int, int]:
+        """How many requests the router holds, and their size in bytes."""
+        return len(self._held) + len(self._held_control), self._held_bytes
+
     async def stop(self) -> None:
         """Close every socket and task. Safe to call more than once."""
         if self._stopped:
@@ -286,6 +375,9 @@ class KernelRouter:
             self._ctx = None
         self._requests.clear()
         self._stdin_owner.clear()
+        self._held.clear()
+        self._held_control.clear()
+        self._held_bytes = 0
 
     # ---------------------------------------------------------------- replicas' sockets
 
@@ -320,6 +412,10 @@ class KernelRouter:
                     sock.setsockopt(zmq.ROUTING_ID, routing_id)
             else:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
+            if key != "hb_port":
+                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                rep.monitors.append(mon)
+                rep.tasks.append(asyncio.ensure_future(self._watch(mon, rep, key)))
             sock.connect(rep.url(key))
             rep.sockets[key] = sock
         handlers = {"shell_port": self._on_replica_reply, "control_port": self._on_replica_reply,
@@ -336,7 +432,56 @@ class KernelRouter:
         rep.tasks = []
         for sock in rep.sockets.values():
             sock.close(linger=0)
-        rep.sockets = {}
+        for mon in rep.monitors:
+            mon.close(linger=0)
+        rep.sockets, rep.monitors = {}, []
+        rep.connected.clear()
+        rep.welcomed = False
+
+    async def _watch(self, mon: zmq.asyncio.Socket, rep: _Replica, channel: str) -> None:
+        """Follow one replica socket's connection: requests wait until the handshake succeeded."""
+        while True:
+            try:
+                event = parse_monitor_message(await mon.recv_multipart())["event"]
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return  # closed with its socket
+            except Exception:
+                self.log.exception("bad monitor event from replica %s %s", rep.id, channel)
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                rep.connected.add(channel)
+                await self._check_open()
+            elif event == zmq.EVENT_DISCONNECTED:
+                rep.connected.discard(channel)
+                if channel == "iopub_port":
+                    rep.welcomed = False  # a new connection is welcomed again
+
+    async def _subscriptions(self) -> None:
+        """Welcome each new iopub subscription (JEP 65), as ipykernel 7 does: signed, on its topic."""
+        sock = self._client["iopub_port"]
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if sock.closed or e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.log.warning("receive on client iopub failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            for frame in frames:
+                if not frame or frame[0] != 1:
+                    continue  # an unsubscription
+                try:
+                    topic = bytes(frame[1:]).decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                msg = self._session.msg("iopub_welcome", content={"subscription": topic})
+                wire = self._session.serialize(msg)
+                await self._send(sock, [topic.encode(), *wire] if topic else wire, "client iopub")
 
     # ---------------------------------------------------------------- plumbing
 
@@ -444,20 +589,105 @@ class KernelRouter:
     # ---------------------------------------------------------------- client side
 
     async def _on_client_request(self, msg: _Msg, channel: str) -> None:
+        if channel == "control_port":
+            # never held behind an execute (interrupt, shutdown, debug); only until the replicas are up
+            if self._open:
+                await self._forward(msg, channel)
+            else:
+                self._hold(msg, channel)
+            return
+        async with self._order:
+            if self._open and self._running is None and not self._held:
+                await self._forward(msg, channel)
+            else:
+                self._hold(msg, channel)
+
+    def _hold(self, msg: _Msg, channel: str) -> None:
+        count, size = self.held()
+        if count + 1 > self.max_held_requests or size + msg.size > self.max_held_bytes:
+            self.log.warning("dropped %s %s: the router already holds %d requests (%d bytes), the "
+                             "most it holds is %d requests or %d bytes", msg.msg_type,
+                             msg.header.get("msg_id", ""), count, size, self.max_held_requests,
+                             self.max_held_bytes)
+            return
+        (self._held if channel == "shell_port" else self._held_control).append(_Held(msg, channel))
+        self._held_bytes += msg.size
+
+    def _unhold(self, queue: deque[_Held]) -> _Held:
+        held = queue.popleft()
+        self._held_bytes -= held.msg.size
+        return held
+
+    async def _forward(self, msg: _Msg, channel: str) -> int:
+        """Send a request to every live replica; an execute_request on shell becomes the running one."""
         msg_id = str(msg.header.get("msg_id", ""))
         if msg_id:
             self._request(msg_id, msg.msg_type)
         now = time.monotonic()
-        sent = 0
-        for rep in self._replicas.values():
-            if self._is_live(rep, now):
-                sent += await self._send(rep.sockets.get(channel), msg.frames,
-                                         f"replica {rep.id}")
+        sent: set[int] = set()
+        for rep in list(self._replicas.values()):
+            if self._is_live(rep, now) and await self._send(rep.sockets.get(channel), msg.frames,
+                                                            f"replica {rep.id}"):
+                sent.add(rep.id)
         if not sent:
-            # while the replicas still start up this is expected (the client retries kernel_info)
-            starting = not any(r.answered for r in self._replicas.values())
-            self.log.log(logging.INFO if starting else logging.WARNING,
-                         "no live replica took %s %s", msg.msg_type, msg_id)
+            self.log.warning("no live replica took %s %s", msg.msg_type, msg_id)
+        elif channel == "shell_port" and msg.msg_type == "execute_request":
+            content = msg.content()
+            self._running = _Running(msg_id, bool(content.get("silent", False)),
+                                     bool(content.get("stop_on_error", True)), sent)
+        return len(sent)
+
+    async def _release(self, abort: bool = False) -> None:
+        """Forward held requests in order until one is an execute_request (it then runs); with
+        abort, every held execute_request is answered "aborted" instead and never forwarded."""
+        if not self._open:
+            return
+        while self._held_control:
+            held = self._unhold(self._held_control)
+            await self._forward(held.msg, held.channel)
+        async with self._order:
+            while self._held and self._running is None:
+                held = self._unhold(self._held)
+                if abort and held.msg.msg_type == "execute_request":
+                    await self._send_aborted(held.msg)
+                else:
+                    await self._forward(held.msg, held.channel)
+
+    async def _send_aborted(self, msg: _Msg) -> None:
+        """ipykernel 7's answer to an execute_request after an error (dispatch_shell and
+        _send_abort_reply): busy, an "aborted" execute_reply, idle, all with the request as parent."""
+        self.log.info("aborting %s %s", msg.msg_type, msg.header.get("msg_id", ""))
+        parent = msg.header
+        status = {"status": "aborted"}
+        md = {"started": datetime.now(UTC), "dependencies_met": True,
+              "engine": self._session.session, **status}
+        topic = b"kernel.gpuhub-router.status"
+        iopub, shell = self._client.get("iopub_port"), self._client.get("shell_port")
+        busy = self._session.msg("status", {"execution_state": "busy"}, parent=parent)
+        await self._send(iopub, self._session.serialize(busy, ident=topic), "client iopub")
+        reply = self._session.msg(msg.msg_type.rsplit("_", 1)[0] + "_reply", status, parent=parent,
+                                  metadata=md)
+        await self._send(shell, self._session.serialize(reply, ident=list(msg.idents)), "client shell")
+        idle = self._session.msg("status", {"execution_state": "idle"}, parent=parent)
+        await self._send(iopub, self._session.serialize(idle, ident=topic), "client iopub")
+
+    async def _check_open(self) -> None:
+        """Open the gate once the replicas are up: all of them, or a majority for startup_straggler_s."""
+        if self._open or self._stopped:
+            return
+        ready, now = len(self.ready_replicas()), time.monotonic()
+        if 2 * ready > len(self._replicas):
+            if self._majority_ready_at is None:
+                self._majority_ready_at = now
+        else:
+            self._majority_ready_at = None
+        if ready == len(self._replicas) or (
+                self._majority_ready_at is not None
+                and now - self._majority_ready_at >= self.startup_straggler_s):
+            self._open = True
+            self.log.info("replicas %s are up after %.1f s; %d held requests go to them",
+                          self.ready_replicas(), now - self._started_at, self.held()[0])
+            await self._release()
 
     async def _on_client_stdin(self, msg: _Msg, channel: str) -> None:
         owner = self._stdin_owner.pop(msg.idents, None)
@@ -494,11 +724,23 @@ class KernelRouter:
             req.idle_sent = True
             await self._send(self._client.get("iopub_port"), idle, "client iopub")
         self._maybe_finish(req)
+        running = self._running
+        if running is not None and running.msg_id == parent_id and msg.msg_type == "execute_reply":
+            self._running = None
+            # ipykernel's rule (execute_request), applied here once for every replica
+            abort = (msg.content().get("status") == "error" and not running.silent
+                     and running.stop_on_error)
+            await self._release(abort=abort)
 
     async def _on_replica_iopub(self, msg: _Msg, rep: _Replica, channel: str) -> None:
         mtype = msg.msg_type
         if mtype == "iopub_welcome":
-            return  # addressed to our own SUB's subscription, not to any client
+            # addressed to our own SUB's subscription, not to any client: from now on, this
+            # replica's outputs reach the router
+            if not rep.welcomed:
+                rep.welcomed = True
+                await self._check_open()
+            return
         parent_id = msg.parent_id
         if mtype == "status":
             state = str(msg.content().get("execution_state", ""))
@@ -551,10 +793,13 @@ class KernelRouter:
 
     async def _on_replica_hb(self, frames: list[bytes], rep: _Replica) -> None:
         rep.last_seen = time.monotonic()
+        first = not rep.answered
         rep.answered = True
         if not rep.live:
             rep.live = True
             self.log.info("replica %s (%s) is alive again", rep.id, rep.address)
+        if first:
+            await self._check_open()
 
     # ---------------------------------------------------------------- liveness
 
@@ -575,4 +820,20 @@ class KernelRouter:
                 await self._send(rep.sockets.get("hb_port"), [b"", b"ping"],
                                  f"replica {rep.id} heartbeat")
             self._sweep(now)
+            await self._check_open()
+            await self._check_running(now)
             await asyncio.sleep(self.hb_interval_s)
+
+    async def _check_running(self, now: float) -> None:
+        """The running execute's reply can no longer come when every replica that got it is gone
+        or dead: stop waiting for it, or the held requests would wait forever."""
+        running = self._running
+        if running is None:
+            return
+        if any(rid in self._replicas and self._is_live(self._replicas[rid], now)
+               for rid in running.sent_to):
+            return
+        self.log.warning("no replica that got execute_request %s is alive: its reply will not come; "
+                         "the %d held requests go on", running.msg_id, len(self._held))
+        self._running = None
+        await self._release()

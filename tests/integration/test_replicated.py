@@ -11,6 +11,7 @@ import subprocess
 import time
 from functools import partial
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -367,3 +368,22 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_run_all_after_an_error_runs_nothing_after_it_on_any_replica(cpu_kernel):
+    """"Run All" with an error in the second cell: the later cells are reported aborted, and no
+    replica ran them (the router decides stop-on-error once, for all of them)."""
+    kc = cpu_kernel.kc
+    ids = [kc.execute("a = 1"), kc.execute("1/0"), kc.execute("b = 2"), kc.execute("c = 3")]
+    replies: dict[str, dict] = {}
+
+    def all_replies():
+        msg = kc.get_shell_msg(timeout=1)
+        replies[msg["parent_header"]["msg_id"]] = msg
+        return set(ids) <= set(replies)
+
+    wait_for(all_replies, timeout=120, what="the four replies", ignore=(Empty,))
+    assert [replies[i]["content"]["status"] for i in ids] == ["ok", "error", "aborted", "aborted"]
+    view = assert_equal_namespaces(cpu_kernel, ["a", "b", "c"])
+    assert view["a"].endswith("1") and view["b"] is None and view["c"] is None
+    assert ok(cpu_kernel, "print(a)")["stdout"] == "1\n"  # the kernel goes on

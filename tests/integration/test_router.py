@@ -24,7 +24,8 @@ from jupyter_client.session import Session
 from gpuhub.server.router import KernelRouter
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
-# answers late, so a router that took the first reply would pick a follower's.
+# answers late, so a router that took the first reply would pick a follower's. It notes every
+# request it aborts itself in the file GPUHUB_TEST_ABORTS names.
 MARKED_KERNEL = """
 import os, time
 from ipykernel.ipkernel import IPythonKernel
@@ -37,6 +38,10 @@ class Marked(IPythonKernel):
         if ROLE == "executor":
             time.sleep(0.3)
         return md
+    def _send_abort_reply(self, stream, msg, idents):
+        with open(os.environ["GPUHUB_TEST_ABORTS"], "a") as f:
+            f.write(msg["header"]["msg_id"] + "\\n")
+        super()._send_abort_reply(stream, msg, idents)
 IPKernelApp.launch_instance(kernel_class=Marked)
 """
 
@@ -58,11 +63,12 @@ class Replicas:
         with open(fname) as f:
             cfg = json.load(f)
         env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
-                   GPUHUB_TEST_REPLICA=str(rid), GPUHUB_TEST_ROLE=role or "")
+                   GPUHUB_TEST_REPLICA=str(rid), GPUHUB_TEST_ROLE=role or "",
+                   GPUHUB_TEST_ABORTS=str(self.tmp / "aborts.txt"))
         head = ["-c", MARKED_KERNEL] if role else ["-m", "ipykernel_launcher"]
         self.procs[rid] = subprocess.Popen(
             [sys.executable, *head, "-f", fname, "--HistoryManager.enabled=False"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"replica-{rid}-{self._n}.log", "wb"))  # noqa: SIM115
         self.infos[rid] = {"id": rid, "ip": "127.0.0.1",
                            **{k: cfg[k] for k in ("shell_port", "iopub_port", "stdin_port",
                                                   "control_port", "hb_port")}}
@@ -86,10 +92,13 @@ class Replicas:
 
 
 @contextlib.asynccontextmanager
-async def _routed(reps: Replicas, hb_timeout_s: float = 3.0):
-    """A router in front of reps and a real client connected to it."""
+async def _routed(reps: Replicas, hb_timeout_s: float = 3.0, **settings):
+    """A router in front of reps (with settings, e.g. bounds, set on it) and a real client
+    connected to it, once every replica takes requests."""
     router = KernelRouter([reps.infos[i] for i in sorted(reps.infos)], reps.key,
                           hb_interval_s=0.2, hb_timeout_s=hb_timeout_s)
+    for name, value in settings.items():
+        setattr(router, name, value)
     info = await router.start()
     kc = AsyncKernelClient()
     kc.load_connection_info(info)
@@ -97,6 +106,9 @@ async def _routed(reps: Replicas, hb_timeout_s: float = 3.0):
     kc.start_channels()
     try:
         await kc.wait_for_ready(timeout=20)
+        # Every replica must see every request: one still connecting when the first execute is
+        # forwarded would miss it (the router waits only startup_straggler_s for the last one).
+        assert await _wait_for(lambda: router.ready_replicas() == sorted(reps.infos), 30)
         yield router, info, kc
     finally:
         # unclosed client sockets would also hang the interpreter's exit
@@ -323,3 +335,199 @@ async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(rout
         router.replace_replica({**replicas.infos[1], "id": 7})
     await router.stop()
     await router.stop()  # idempotent
+
+
+async def _replies(kc, msg_ids: list[str], timeout_s: float = 15) -> dict[str, dict]:
+    """The shell replies to msg_ids, in whatever order they come (other replies are skipped)."""
+    deadline, got = time.monotonic() + timeout_s, {}
+    while len(got) < len(msg_ids):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no reply to {set(msg_ids) - set(got)} within {timeout_s:g} s"
+        with contextlib.suppress(Empty):
+            m = await kc.shell_channel.get_msg(timeout=min(left, 0.5))
+            if m["parent_header"].get("msg_id") in msg_ids:
+                got[m["parent_header"]["msg_id"]] = m
+    return got
+
+
+async def _reply_to(kc, msg_id: str, timeout_s: float = 15) -> dict:
+    return (await _replies(kc, [msg_id], timeout_s))[msg_id]
+
+
+async def _iopub_until_idle(kc, msg_ids: list[str], timeout_s: float = 15) -> list[dict]:
+    """iopub messages for msg_ids until each has had its idle."""
+    waiting, seen = set(msg_ids), []
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no idle for {waiting} within {timeout_s:g} s"
+        with contextlib.suppress(Empty):
+            m = await kc.iopub_channel.get_msg(timeout=min(left, 0.5))
+            parent = m["parent_header"].get("msg_id")
+            if parent in msg_ids:
+                seen.append(m)
+                if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                    waiting.discard(parent)
+    return seen
+
+
+async def test_run_all_after_an_error_aborts_the_rest_on_every_replica(replicas, tmp_path):
+    """"Run All": cells sent at once, the second raises. The later cells are answered "aborted"
+    by the router (as ipykernel 7 answers them) and never reach a replica; a kernel_info between
+    them is still answered."""
+    for i, role in enumerate(("follower", "follower", "executor")):
+        replicas.start(i, role)
+    marker = tmp_path / "ran.txt"
+    async with _routed(replicas) as (router, _, kc):
+        ids = [kc.execute("a = 1"), kc.execute("1/0"),
+               kc.execute(f"open({str(marker)!r}, 'w').close()\nb = 2"),
+               kc.kernel_info(), kc.execute("b = 3")]
+        replies = await _replies(kc, ids)
+        msgs = await _iopub_until_idle(kc, ids)
+        assert [replies[i]["content"]["status"] for i in ids] == ["ok", "error", "aborted", "ok",
+                                                                  "aborted"]
+        for i in (ids[2], ids[4]):
+            assert replies[i]["msg_type"] == "execute_reply"
+            assert replies[i]["metadata"]["status"] == "aborted"
+            assert replies[i]["parent_header"]["msg_id"] == i
+            mine = [m["content"]["execution_state"] for m in msgs
+                    if m["parent_header"]["msg_id"] == i]
+            assert mine == ["busy", "idle"]  # no execute_input: it never ran anywhere
+        assert not marker.exists()
+        # no replica aborted (or even saw) a request itself: the decision was the router's
+        assert not (tmp_path / "aborts.txt").exists()
+        # every replica has a but not b; the next cell runs normally
+        msg_id = kc.execute("print('a' in globals(), 'b' in globals())")
+        assert (await _reply_to(kc, msg_id))["content"]["status"] == "ok"
+        out = [m["content"]["text"] for m in await _iopub_until_idle(kc, [msg_id])
+               if m["msg_type"] == "stream"]
+        out += [m["content"]["text"] for m in await _drain_iopub(kc, msg_id)
+                if m["msg_type"] == "stream"]
+        assert out == ["True False\n"] * 3, out
+        assert router.held() == (0, 0)
+
+
+async def test_silent_or_no_stop_on_error_aborts_nothing(shared_routed):
+    _, _, kc = shared_routed
+    for kw in ({"silent": True}, {"stop_on_error": False}):
+        ids = [kc.execute("1/0", **kw), kc.execute("c = 5")]
+        replies = [await _reply_to(kc, i) for i in ids]
+        assert [r["content"]["status"] for r in replies] == ["error", "ok"], kw
+        await _iopub_until_idle(kc, ids)
+
+
+async def test_requests_wait_for_the_running_execute(shared_routed, tmp_path):
+    """One execute at a time: a request sent during a cell is forwarded after its reply."""
+    router, _, kc = shared_routed
+    go = tmp_path / "go"
+    running = kc.execute(f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)")
+    later = kc.kernel_info()
+    assert await _wait_for(lambda: router.held()[0] == 1)
+    go.touch()
+    first = await kc.shell_channel.get_msg(timeout=15)
+    assert first["parent_header"]["msg_id"] == running
+    assert (await _reply_to(kc, later))["msg_type"] == "kernel_info_reply"
+    assert router.held() == (0, 0)
+    await _iopub_until_idle(kc, [running, later])
+
+
+async def test_held_requests_are_bounded_and_only_signed_ones_held(shared_replicas, tmp_path,
+                                                                   caplog):
+    go = tmp_path / "go"
+    async with _routed(shared_replicas, max_held_requests=3, max_held_bytes=8192) as (router, info,
+                                                                                      kc):
+        running = kc.execute(f"import os, time\nwhile not os.path.exists({str(go)!r}): "
+                             "time.sleep(0.02)")
+        forger = Session(key=b"not-the-key", signature_scheme="hmac-sha256")
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+        try:
+            with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
+                for _ in range(50):  # a peer without the key makes the router hold nothing
+                    await sock.send_multipart(forger.serialize(forger.msg(
+                        "execute_request", {"code": "x" * 1000})))
+                big = kc.execute("y = '" + "y" * 10_000 + "'")  # over the byte bound
+                held = [kc.kernel_info() for _ in range(3)]
+                dropped = kc.kernel_info()  # over the count bound
+                assert await _wait_for(lambda: any("dropped kernel_info_request" in r.getMessage()
+                                                   for r in caplog.records))
+            assert router.held()[0] == 3 and router.held()[1] <= 8192
+            assert any(f"dropped execute_request {big}" in r.getMessage() for r in caplog.records)
+            assert sum("bad signature" in r.getMessage() for r in caplog.records) == 50
+        finally:
+            sock.close(linger=0)
+        go.touch()
+        assert (await _reply_to(kc, running))["content"]["status"] == "ok"
+        for i in held:
+            assert (await _reply_to(kc, i))["msg_type"] == "kernel_info_reply"
+        assert router.held() == (0, 0)
+        assert dropped not in {m["parent_header"].get("msg_id")
+                               for m in await _drain_iopub(kc, dropped)}
+
+
+async def test_a_kernel_info_sent_at_start_is_answered(replicas):
+    """A client that sends one kernel_info_request while the replicas still start gets its answer."""
+    for i in range(3):
+        replicas.start(i)
+    router = KernelRouter([replicas.infos[i] for i in range(3)], replicas.key)
+    info = await router.start()
+    kc = AsyncKernelClient()
+    kc.load_connection_info(info)
+    kc.start_channels()
+    try:
+        msg_id = kc.kernel_info()  # once, at once: no retry
+        reply = await _reply_to(kc, msg_id, timeout_s=60)
+        assert reply["content"]["status"] == "ok"
+        assert router.accepting
+    finally:
+        kc.stop_channels()
+        await router.stop()
+
+
+async def test_iopub_welcome_for_each_subscriber(shared_routed, shared_replicas):
+    _, info, _ = shared_routed
+    session = Session(key=shared_replicas.key, signature_scheme="hmac-sha256")
+    ctx = zmq.asyncio.Context.instance()
+    for topic in (b"", b"", b"kernel."):  # a second subscriber to a topic is welcomed too
+        sub = ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+        sub.connect(f"tcp://127.0.0.1:{info['iopub_port']}")
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                assert await sub.poll(int(max(0, deadline - time.monotonic()) * 1000)), topic
+                frames = await sub.recv_multipart()
+                idents, parts = session.feed_identities(frames)
+                msg = session.deserialize(parts)  # checks the signature
+                if msg["msg_type"] == "iopub_welcome":
+                    break
+            assert msg["content"] == {"subscription": topic.decode()}
+            assert idents == ([topic] if topic else [])
+        finally:
+            sub.close(linger=0)
+
+
+async def test_a_reconnecting_client_takes_its_routing_id_over(shared_routed, shared_replicas):
+    """ROUTER_HANDOVER: a second connection with the same routing id (a client reconnecting with
+    its session id) gets the replies."""
+    _, info, _ = shared_routed
+    session = Session(key=shared_replicas.key, signature_scheme="hmac-sha256")
+    ctx = zmq.asyncio.Context.instance()
+    socks = []
+    try:
+        for _ in range(2):
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.setsockopt(zmq.ROUTING_ID, session.bsession)
+            sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+            socks.append(sock)
+            msg = session.msg("kernel_info_request")
+            await sock.send_multipart(session.serialize(msg))
+            assert await sock.poll(15_000), "the reply went elsewhere"
+            reply = session.deserialize(session.feed_identities(await sock.recv_multipart())[1])
+            assert reply["parent_header"]["msg_id"] == msg["header"]["msg_id"]
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
