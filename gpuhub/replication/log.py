@@ -1,9 +1,10 @@
 """A kernel's replicated log: the Raft state machine its replicas share (pysyncobj, docs/architecture.md D4).
 
 The log carries small things only: executor proposals and votes, and for each finished cell the
-names it changed (small values inline, large values as a content digest whose bytes travel beside
-the log, see :mod:`gpuhub.replication.blobclient`). The state below is what a snapshot holds, so a
-replica that restarts, or a new one, rebuilds the namespace from it plus the blobs.
+namespace image it produced (gpuhub/kernel/image.py: a small pickle stream inline, large parts
+as content digests whose bytes travel beside the log, see :mod:`gpuhub.replication.blobclient`).
+The state below is what a snapshot holds, so a replica that restarts, or a new one, rebuilds the
+namespace from it plus the blobs.
 
 Entries are applied on pysyncobj's thread; waiters on the kernel's thread sleep on ``changed``.
 """
@@ -28,13 +29,26 @@ KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for the
 
 
 @dataclass(frozen=True)
-class NameEntry:
-    """One global as the log knows it: its content digest, and its pickle when small."""
+class ImageEntry:
+    """The kernel's namespace after a cell, as the log knows it (gpuhub/kernel/image.py): the
+    pickle stream (inline when small, else a blob named by its digest) and the digest and size of
+    each out-of-band buffer, in pickle order. The bytes of blobs travel beside the log."""
 
-    digest: str
-    inline: bytes | None  # None: the bytes are a blob, fetched by digest
-    size: int
-    device_tag: int | None = None  # logical GPU the value lived on (moved back there next GPU cell)
+    stream_digest: str
+    inline: bytes | None  # None: the stream is a blob, fetched by digest
+    stream_size: int
+    buffers: tuple[tuple[str, int], ...] = ()
+    names: tuple[str, ...] = ()
+
+    def blob_digests(self) -> set[str]:
+        """What a replica must keep (or fetch) to load this image."""
+        blobs = {d for d, _ in self.buffers}
+        if self.inline is None:
+            blobs.add(self.stream_digest)
+        return blobs
+
+    def nbytes(self) -> int:
+        return self.stream_size + sum(n for _, n in self.buffers)
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,8 @@ class KernelLog(SyncObjConsumer):
         self.on_apply = None  # optional callable(kind, cell) for metrics/logging
         super().__init__()
         self.members = members
-        self.names: dict[str, NameEntry] = {}
+        self.image: ImageEntry | None = None  # None: no cell has completed yet
+        self.image_version = 0  # counts committed images: a replica compares it with what it loaded
         self.execution_count = 0  # IPython's next prompt number; 0 = no cell yet
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
@@ -118,16 +133,17 @@ class KernelLog(SyncObjConsumer):
             self._applied("vote", cell)
 
     @replicated
-    def complete(self, cell: str, attempt: int, executor: int, status: str,
-                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int) -> bool:
-        """The executor's end of a cell. Loses (returns False) if an abort committed first."""
+    def complete(self, cell: str, attempt: int, executor: int, status: str, image: ImageEntry | None,
+                 execution_count: int) -> bool:
+        """The executor's end of a cell (``image`` None: the namespace did not change). Loses
+        (returns False) if an abort committed first."""
         with self.changed:
             if cell in self.outcomes:
                 self._applied("complete-late", cell)
                 return False
-            self.names.update(changed)
-            for name in deleted:
-                self.names.pop(name, None)
+            if image is not None:
+                self.image = image
+                self.image_version += 1
             self.execution_count = execution_count
             self.previous_executor = executor
             self._finish(cell, CellOutcome("complete", attempt, executor, status,
@@ -196,12 +212,11 @@ class RaftGroup:
         """An explicit vote for ``choice`` (a replica, or ``election.FAILED``) after a timeout."""
         self._commit("vote", self.log.vote, cell, attempt, voter, choice, timeout_s=timeout_s)
 
-    def complete(self, cell: str, attempt: int, executor: int, status: str,
-                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int, *,
-                 timeout_s: float = 30.0) -> bool:
+    def complete(self, cell: str, attempt: int, executor: int, status: str, image: ImageEntry | None,
+                 execution_count: int, *, timeout_s: float = 30.0) -> bool:
         """The executor's end of ``cell``; False if another end committed first."""
-        return self._commit("complete", self.log.complete, cell, attempt, executor, status, changed,
-                            deleted, execution_count, timeout_s=timeout_s)
+        return self._commit("complete", self.log.complete, cell, attempt, executor, status, image,
+                            execution_count, timeout_s=timeout_s)
 
     def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str,
               execution_count: int, *, timeout_s: float = 30.0) -> bool:
