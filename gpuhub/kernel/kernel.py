@@ -265,8 +265,6 @@ class GpuhubKernel(IPythonKernel):
                 entry = rep.store_image(sent.stream, sent.names, sent.buffers, live=False)
         ran = time.monotonic()
         self._phases["run"] = ran - began
-        if entry is not None and entry == rep.state.image:
-            entry = None  # nothing changed: followers have nothing to load
         try:
             won = rep.commit_cell(cell, attempt, reply["status"], entry, shell.execution_count)
         except RaftUnavailable as exc:

@@ -56,6 +56,7 @@ from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup
+from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
 
@@ -135,6 +136,7 @@ class Replica:
             raise RuntimeError(f"gpuhub: replica {replica_id} is not in its own peers list")
         self.me = self.peers[replica_id]
         self.key = key
+        self.sealer = Sealer(key)  # small images sit in the log, which pysyncobj writes to disk
         self.settings = settings or Settings.from_env()
         # CPU kernels run cells in this process: values are loaded copy-on-write from the store's
         # files (see load_value), so a cell writing them in place never changes a stored blob.
@@ -147,6 +149,9 @@ class Replica:
         # in this process, since the cell may write any of it.
         self.resident: dict[str, memoryview] = {}
         self.loaded_version = 0  # the log's image_version this replica's namespace holds
+        # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
+        self._image_key: tuple | None = None
+        self._pending_key: tuple | None = None
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -277,7 +282,7 @@ class Replica:
 
     # --- 2. the executor's end of a cell ----------------------------------------------
     def store_image(self, stream: bytes, names: list[str], buffers: list[tuple[str | None, int, object]], *,
-                    live: bool) -> ImageEntry:
+                    live: bool) -> ImageEntry | None:
         """Keep an image's blobs here, push the new ones to the other replicas, and return its log
         entry. ``buffers``: per out-of-band buffer, its digest when known, its size and its memory
         (None when the digest is known and stored here). ``live``: the memory is that of live
@@ -304,9 +309,18 @@ class Replica:
             refs.append((d, n))
             if live:
                 resident.setdefault(d, mem)
-        sd = digest(stream)
+        if live:
+            self.resident = resident
+        key = (digest(stream), tuple(refs), tuple(names))
+        if key == self._image_key and self.up_to_date():
+            return None  # the namespace is what the group has: nothing to commit
+        self._pending_key = key
         small = len(stream) <= self.settings.inline_max_bytes
-        if not small:
+        if small:
+            stream = self.sealer.seal(stream)
+            sd = digest(stream)  # of the sealed bytes: a digest of the plain ones could be guessed at
+        else:
+            sd = digest(stream)
             self.store.put(sd, stream)
             new[sd] = stream
         if new:
@@ -314,8 +328,6 @@ class Replica:
             for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, new).items():
                 if err:
                     log.warning("could not push %d blob(s) to %s: %s", len(new), addr, err)
-        if live:
-            self.resident = resident
         return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names))
 
     def _copy_in(self, mv: memoryview) -> tuple[str, object | None]:
@@ -343,6 +355,8 @@ class Replica:
         won = outcome.kind == "complete" and outcome.by == self.id
         if won:
             self.loaded_version = self.state.image_version
+            if image is not None:
+                self._image_key = self._pending_key
             self.store.retain(self._blob_digests())  # older values are no one's any more
         return won
 
@@ -402,10 +416,14 @@ class Replica:
 
     def load_image(self, entry: ImageEntry) -> dict:
         """The ``{name: value}`` of a committed image, built on this replica's memory."""
-        stream = entry.inline if entry.inline is not None else bytes(self._blob(entry.stream_digest))
+        if entry.inline is not None:
+            stream = self.sealer.open(entry.inline)
+        else:
+            stream = bytes(self._blob(entry.stream_digest))
         used: set[str] = set()
         buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]
         value = images.load(stream, buffers)
+        self._image_key = (digest(stream), entry.buffers, entry.names)
         self.resident = {}
         for (d, _), mv in zip(entry.buffers, buffers, strict=True):
             self.resident.setdefault(d, mv)

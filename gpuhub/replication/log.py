@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -187,6 +188,8 @@ class RaftGroup:
     def __init__(self, self_addr: str, peer_addrs: list[str], key: bytes, journal_dir: str | None,
                  members: int, *, connection_retry_s: float = 0.5) -> None:
         self.log = KernelLog(members)
+        if journal_dir:
+            _private_journal(journal_dir)
         conf = SyncObjConf(
             appendEntriesUseBatch=False,  # else every commit waits for the batch tick (~100 ms)
             password=raft_password(key),
@@ -200,6 +203,8 @@ class RaftGroup:
             useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
         self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
+        if journal_dir:
+            _private_journal(journal_dir)  # again: pysyncobj has created its files now
 
     # --- entries ----------------------------------------------------------------
     def propose(self, cell: str, attempt: int, replica: int, lead: bool, *,
@@ -336,6 +341,20 @@ class RaftGroup:
     def stopped(self) -> bool:
         """pysyncobj's thread has ended: its port and journal are free."""
         return not self._sync.tick_thread_alive()
+
+
+def _private_journal(journal_dir: str) -> None:
+    """The journal's directory is the user's alone (0700) and its files are 0600: the log holds
+    the notebook's small values (sealed, gpuhub/replication/sealing.py), and other users share
+    the server. pysyncobj creates its files with the process's umask (the user's, which cells
+    rely on for their own files): they are made 0600 once they exist, and a snapshot rewritten
+    later is still inside the 0700 directory."""
+    os.makedirs(journal_dir, mode=0o700, exist_ok=True)
+    os.chmod(journal_dir, 0o700)
+    for name in os.listdir(journal_dir):
+        path = os.path.join(journal_dir, name)
+        if name.startswith("raft.") and os.path.isfile(path):
+            os.chmod(path, 0o600)
 
 
 class RaftUnavailable(RuntimeError):
