@@ -187,7 +187,8 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
 
     devices.move_tagged_to_devices()
 
-    # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
+    # History is the parent's to write (one SQLite writer). The parent has moved the prompt number
+    # on already (IPython 9 does it as a cell starts), so the child's displayhook numbers Out[n] right.
     ready = time.monotonic()
     result = shell.run_cell(code, store_history=False, silent=silent)
     err = result.error_before_exec or result.error_in_exec

@@ -342,6 +342,12 @@ class GpuhubKernel(IPythonKernel):
         exited: at once if it died, otherwise on the reaper's thread, so that neither its exit nor
         the release delays the reply."""
         rep = self.replica
+        # As IPython 9's run_cell: the prompt number moves on when the cell starts, so the child's
+        # outputs (Out[n], _n) and the ones relayed here carry this cell's number.
+        number = shell.execution_count
+        counting = store_history and not silent
+        if counting:
+            shell.execution_count += 1
         try:
             preparing = time.monotonic()
             out_r, out_w = os.pipe()
@@ -395,14 +401,13 @@ class GpuhubKernel(IPythonKernel):
                 pid = None
             self.reaper.end_later(cell, pid, grant)
         storing = time.monotonic()
-        if store_history:
-            shell.history_manager.store_inputs(shell.execution_count, code)
+        if counting:
+            shell.history_manager.store_inputs(number, code)
         self._phases["history"] = time.monotonic() - storing
         if done is None:
             # The child died mid-cell: the namespace stays as it was before this cell.
             return self._error_reply("CellProcessDied", f"the cell's process {_describe_status(status)}; "
-                                     "variables are as they were before this cell"), None
-        shell.execution_count += 1
+                                     "variables are as they were before this cell", count=not counting), None
         done["execution_count"] = shell.execution_count - 1
         return done, sent
 

@@ -229,19 +229,30 @@ class RaftGroup:
         return self._commit("abort", self.log.abort, cell, attempt, reporter, reason, detail,
                             execution_count, timeout_s=timeout_s)
 
+    no_majority_s = 4.0
+    """Give up on a commit after this long when fewer than a majority of members are connected
+    (a user then gets an error reply within seconds, not a cell that hangs)."""
+
+    def majority_connected(self) -> bool:
+        members = self.members
+        return 2 * (1 + sum(self.connected(a) for a in members)) > len(members) + 1
+
     def _commit(self, name: str, entry, *args, timeout_s: float):
         """Commit one entry (``entry``: a ``@replicated`` method of :attr:`log`); retries while a
-        leader is being elected. Raises RaftUnavailable."""
-        deadline = time.monotonic() + timeout_s
+        leader is being elected. Raises RaftUnavailable: after ``timeout_s``, or sooner
+        (:attr:`no_majority_s`) when a majority of the group is not even connected."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         delay = 0.02
         last = None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            remaining = deadline - now
+            if remaining <= 0 or (now - started >= self.no_majority_s and not self.majority_connected()):
                 raise RaftUnavailable(f"the kernel's replicas could not agree on {name!r} within "
-                                      f"{timeout_s:g} s ({last}); is a majority of them alive?")
+                                      f"{now - started:.0f} s ({last}); is a majority of them alive?")
             try:
-                return entry(*args, sync=True, timeout=min(remaining, 5.0))
+                return entry(*args, sync=True, timeout=min(remaining, 1.0))
             except SyncObjException as exc:
                 last = exc.errorCode
                 time.sleep(delay)
