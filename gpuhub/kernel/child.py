@@ -1,11 +1,12 @@
 """The forked child that runs one GPU cell (docs/architecture.md D2).
 
 The replica process never initialises CUDA. For each cell it forks; this child sets
-``CUDA_VISIBLE_DEVICES`` to exactly the granted GPUs *before any user code runs*, runs the cell
+``CUDA_VISIBLE_DEVICES`` to exactly the granted GPUs *before any user code runs*, puts the
+namespace's GPU tensors back on their devices (:mod:`gpuhub.kernel.devices`), runs the cell
 against its copy-on-write view of the namespace, streams outputs to the parent over a pipe, and
-finally sends back what the cell changed (:mod:`gpuhub.kernel.delta`; GPU values moved to the
-host). When it exits, the driver frees its GPU memory. Nothing here may touch ZeroMQ: the
-parent's sockets are not fork-safe.
+finally sends the namespace image (:mod:`gpuhub.kernel.image`; GPU values from the host), with
+the bytes of only those large buffers the parent does not hold already. When it exits, the driver
+frees its GPU memory. Nothing here may touch ZeroMQ: the parent's sockets are not fork-safe.
 """
 
 from __future__ import annotations
@@ -20,15 +21,41 @@ import signal
 import sys
 import time
 import types
+from dataclasses import dataclass, field
 
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
+from IPython.core.error import StdinNotImplementedError
 
-from gpuhub.kernel import devices, dirty
-from gpuhub.kernel.delta import namespace_delta
+from gpuhub.kernel import devices
+from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.replication.digest import digest
 
 PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class KnownBuffers:
+    """What the replica process holds of the namespace image when it forks a cell's child."""
+
+    resident: dict[str, memoryview]  # digest -> the parent's memory holding it, unwritten (same address here)
+    stored: frozenset[str]  # digests the parent's blob store has: their bytes need not be sent
+
+    @classmethod
+    def of(cls, resident: dict[str, memoryview], stored: set[str]) -> KnownBuffers:
+        return cls(dict(resident), frozenset(stored))
+
+
+@dataclass
+class SentImage:
+    """The namespace image as the child sends it: the bytes of a buffer only when the parent's
+    store lacks its digest (:meth:`gpuhub.kernel.replica.Replica.store_image` takes ``buffers``)."""
+
+    stream: bytes
+    names: list[str]
+    buffers: list[tuple[str, int, bytes | None]]
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class PipeStream(io.TextIOBase):
@@ -116,8 +143,7 @@ def _display_objects(shell) -> tuple[PipeDisplayPublisher, PipeDisplayHook]:
 
 
 def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions: dict,
-        gpu_uuids: list[str], out_fd: int, in_fd: int, digests: dict[str, str],
-        device_tags: dict[str, int], hidden: set[str]) -> None:
+        gpu_uuids: list[str], out_fd: int, in_fd: int, known: KnownBuffers) -> None:
     """Run one cell in this (child) process and report to the parent. Never returns normally."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     _die_with_parent()
@@ -149,23 +175,20 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         reply = replies.recv_blocking()
         if reply is None or reply[0] != "input_reply":
             raise EOFError("the kernel went away while waiting for input")
-        if reply[1] is None:
-            raise RuntimeError(reply[2])
-        return reply[1]
+        _, value, error, message = reply
+        if value is None:
+            if error == "StdinNotImplementedError":  # the frontend takes no input: as ipykernel says
+                raise StdinNotImplementedError(message)
+            raise RuntimeError(f"{error}: {message}")
+        return value
 
     builtins.input = relayed_input
     getpass.getpass = lambda prompt="Password: ", stream=None: relayed_input(prompt, True)
 
-    ns = shell.user_ns
-    for name, index in device_tags.items():
-        if name in ns:
-            ns[name] = devices.to_device(ns[name], index)
-    before = {k: id(v) for k, v in ns.items() if k not in hidden}
-    # Large buffers the group already has: skip re-pickling those the cell did not write.
-    tracker = dirty.Tracker.arm(ns, [k for k in before if k in digests and k not in device_tags],
-                                forked=True)
+    devices.move_tagged_to_devices()
 
-    # History is the parent's to write (one SQLite writer); the child runs with the same prompt number.
+    # History is the parent's to write (one SQLite writer). The parent has moved the prompt number
+    # on already (IPython 9 does it as a cell starts), so the child's displayhook numbers Out[n] right.
     ready = time.monotonic()
     result = shell.run_cell(code, store_history=False, silent=silent)
     err = result.error_before_exec or result.error_in_exec
@@ -178,6 +201,15 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
     ran = time.monotonic()
-    delta = namespace_delta(ns, before, digests, hidden, tracker=tracker)
-    chan.send("delta", delta, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
+    chan.send("image", capture_image(shell, known),
+              {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
+
+def capture_image(shell, known: KnownBuffers) -> SentImage:
+    """The namespace image, with the bytes of the buffers the parent does not hold."""
+    cap = images.capture(shell.user_ns, shell.user_ns_hidden)
+    buffers = []
+    for d, mv in zip(cap.digests, cap.buffers, strict=True):
+        d = d or digest(mv)
+        buffers.append((d, mv.nbytes, None if d in known.stored else bytes(mv)))
+    return SentImage(cap.stream, cap.names, buffers, cap.failed)

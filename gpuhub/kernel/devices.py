@@ -1,65 +1,65 @@
-"""Move GPU values to the host after a GPU cell and back to the same logical GPU before the next one.
+"""GPU values in the namespace image: sent from the host, put back on the same logical GPU.
 
-Covered: PyTorch tensors and modules (``nn.Module``, moved in place), also inside lists, tuples and
-dicts (three levels deep). Logical index k (``cuda:k``) is stable because each cell's
-``CUDA_VISIBLE_DEVICES`` renumbers its granted GPUs from 0. Other GPU libraries' values (CuPy, JAX)
-are not moved and may fail to cross; the cell then warns naming the variable.
+A GPU cell's child pickles the namespace image (gpuhub/kernel/image.py); a PyTorch tensor on
+``cuda:k`` found anywhere in it (a module's parameters and buffers, an optimizer's state) is
+pickled as its host copy plus ``k`` (:func:`reduce_gpu_value`). Whoever loads the image gets a CPU
+tensor *tagged* with ``k``: the replica process never initialises CUDA. The next GPU cell's child
+moves every tagged tensor back to ``cuda:k`` in place (``t.data = …``, as ``Module.to`` does), so
+the objects keep their identity: an optimizer still holds the very parameters of its model.
+Logical index k is stable because each cell's ``CUDA_VISIBLE_DEVICES`` renumbers its granted GPUs
+from 0.
+
+Not covered: two GPU tensors sharing one storage (views) come back as separate tensors; other GPU
+libraries' values (CuPy, JAX) do not pickle from the device and stay on the executor (the cell
+warns, naming the variable).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 
-MAX_DEPTH = 3
+_tagged: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (tensor, logical GPU), host copies
 
 
 def _torch():
     return sys.modules.get("torch")  # never import torch ourselves: the parent must stay CUDA-free
 
 
-def to_host(value, depth: int = 0):
-    """Return (value with GPU parts on the CPU, logical GPU index or None)."""
+def reduce_gpu_value(obj):
+    """A pickle reduction for a tensor on a GPU (None for anything else)."""
     torch = _torch()
-    if torch is None or depth > MAX_DEPTH:
-        return value, None
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            return value.cpu(), value.device.index or 0
-        return value, None
-    if isinstance(value, torch.nn.Module):
-        for p in value.parameters():
-            if p.is_cuda:
-                idx = p.device.index or 0
-                return value.cpu(), idx
-            break
-        return value, None
-    if isinstance(value, (list, tuple)):
-        moved = [to_host(v, depth + 1) for v in value]
-        idx = next((i for _, i in moved if i is not None), None)
-        if idx is None:
-            return value, None
-        items = [v for v, _ in moved]
-        return (type(value)(items) if isinstance(value, list) else tuple(items)), idx
-    if isinstance(value, dict):
-        moved = {k: to_host(v, depth + 1) for k, v in value.items()}
-        idx = next((i for _, i in moved.values() if i is not None), None)
-        if idx is None:
-            return value, None
-        return {k: v for k, (v, _) in moved.items()}, idx
-    return value, None
+    if torch is None or not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+        return None
+    host = obj.detach().cpu()
+    return _on_device, (host, isinstance(obj, torch.nn.Parameter), obj.requires_grad, obj.device.index or 0)
 
 
-def to_device(value, index: int, depth: int = 0):
-    """Put ``value`` (moved to the host by :func:`to_host`) back on logical GPU ``index``."""
-    torch = _torch()
-    if torch is None or depth > MAX_DEPTH or not torch.cuda.is_available():
-        return value
-    if isinstance(value, (torch.Tensor, torch.nn.Module)):
-        return value.to(f"cuda:{index}")
-    if isinstance(value, list):
-        return [to_device(v, index, depth + 1) for v in value]
-    if isinstance(value, tuple):
-        return tuple(to_device(v, index, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, index, depth + 1) for k, v in value.items()}
+def _on_device(host, parameter: bool, requires_grad: bool, index: int):
+    torch = _torch() or __import__("torch")  # loading a tensor imports torch anyway
+    value = torch.nn.Parameter(host, requires_grad=requires_grad) if parameter else host
+    if not parameter and requires_grad:
+        value.requires_grad_(True)
+    key = id(value)
+    _tagged[key] = (weakref.ref(value, lambda _: _tagged.pop(key, None)), index)
     return value
+
+
+def tagged() -> list[tuple[object, int]]:
+    """The live host tensors that belong on a GPU, with their logical index."""
+    out = []
+    for ref, index in list(_tagged.values()):
+        value = ref()
+        if value is not None:
+            out.append((value, index))
+    return out
+
+
+def move_tagged_to_devices() -> None:
+    """In a GPU cell's child, before the cell: put every tagged tensor back on its GPU, in place."""
+    torch = _torch()
+    if torch is None or not torch.cuda.is_available():
+        return
+    with torch.no_grad():
+        for value, index in tagged():
+            value.data = value.data.to(f"cuda:{index}")

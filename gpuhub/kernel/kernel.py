@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -22,17 +21,17 @@ import time
 
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import child, hugepages
-from gpuhub.kernel.delta import namespace_delta
+from gpuhub.kernel import child
+from gpuhub.kernel import image as images
 from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
-from gpuhub.replication.digest import digest
-from gpuhub.replication.log import CellOutcome
+from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
 log = logging.getLogger("gpuhub.kernel")
-ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt"}
+ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt",
+               "majority-lost": "ReplicasUnavailable"}
 
 
 def _child_phases(forking: float, marks: dict[str, float], received: float) -> dict[str, float]:
@@ -62,8 +61,9 @@ class GpuhubKernel(IPythonKernel):
         self.reaper = CellReaper(self.lease_client.release if self.lease_client else lambda grant: None)
         self._child_pid: int | None = None
         self._interrupted = threading.Event()
-        self._digests: dict[str, str] = {}
-        self._device_tags: dict[str, int] = {}
+        self._joined_names: list[str] = []  # names this replica caught up with at start
+        self._unreplicable: dict[str, int] = {}  # name -> id of the value last warned about
+        self._unfinished: tuple[str, int] | None = None  # a cell that ran here but never committed
         self._startup_notice = self._notebook_dir_notice()
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
@@ -83,20 +83,28 @@ class GpuhubKernel(IPythonKernel):
         """Catch up (journal + peers) before the first request: a restarted replica's namespace
         is the group's, not empty."""
         self.replica.wait_ready()
-        failed = self.replica.sync_namespace(self.shell.user_ns, self._digests, self._device_tags)
-        if failed:
-            log.error("replica %d started without %s", self.replica.id, ", ".join(failed))
+        if not self.replica.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
+            log.error("replica %d started without the group's variables", self.replica.id)
+        self._joined_names = images.replicated_names(self.shell.user_ns, self.shell.user_ns_hidden)
         if self.replica.state.execution_count:
             self.shell.execution_count = self.replica.state.execution_count
         log.info("replica %d ready: %d name(s), next prompt %d", self.replica.id,
-                 len(self.replica.state.names), self.shell.execution_count)
+                 len(self._joined_names), self.shell.execution_count)
 
     def start(self):
         # IPython hides everything in the namespace at start-up from %who (hide_initial_ns), which
-        # would also hide the names this replica caught up with from change detection.
-        for name in self._digests:
+        # would also hide the names this replica caught up with from the namespace image.
+        for name in self._joined_names:
             self.shell.user_ns_hidden.pop(name, None)
         super().start()
+
+    def _abort_queues(self, *args, **kwargs):
+        # With replicas, the router alone aborts the requests queued behind an error (it holds
+        # them; gpuhub/server/router.py): a replica aborting its own queue would disagree with
+        # the others about which cells ran.
+        if self.replica is None:
+            return super()._abort_queues(*args, **kwargs)
+        return None
 
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
@@ -118,8 +126,11 @@ class GpuhubKernel(IPythonKernel):
                          allow_stdin=False, *, cell_meta=None, cell_id=None):
         self._role = "executor"
         if self.replica is not None:
-            return await self._execute_replicated(code, silent, store_history, user_expressions, allow_stdin,
-                                                  cell_meta=cell_meta, cell_id=cell_id)
+            try:
+                return await self._execute_replicated(code, silent, store_history, user_expressions,
+                                                      allow_stdin, cell_meta=cell_meta, cell_id=cell_id)
+            except RaftUnavailable as exc:
+                return self._no_majority(exc)
         self._show_startup_notice()  # a CPU kernel started by hand, without a group: plain ipykernel
         return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                         cell_meta=cell_meta, cell_id=cell_id)
@@ -136,6 +147,8 @@ class GpuhubKernel(IPythonKernel):
         cell = self.get_parent("shell")["header"]["msg_id"]
         self._interrupted.clear()
         rep.interrupted.clear()
+        if self._unfinished is not None:  # a cell that ran here when the group had no majority
+            self._end_unfinished()
         started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
         while True:
             asked = time.monotonic()
@@ -143,20 +156,36 @@ class GpuhubKernel(IPythonKernel):
             reaped = time.monotonic()
             grant = self._try_grant()
             granted = time.monotonic()
-            decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
+            try:
+                decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
+            except BaseException:
+                if grant is not None:
+                    self.lease_client.release(grant)
+                raise
             self._phases = {"reap": reaped - asked, "grant": granted - reaped, "elect": time.monotonic() - granted}
             if grant is not None and decision.executor != rep.id:
                 self.lease_client.release(grant)  # losers give their tentative grant back at once
             if decision.outcome is not None:  # this replica is late: the cell already ended
-                return self._follow(decision.outcome)
+                return self._follow(decision.outcome, code, store_history, silent)
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
                       decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor == rep.id:
                 self._show_startup_notice()
+                # Every committed image is applied here before the cell runs (this replica may have
+                # missed cells: the router skipped it, or it was stopped for a while).
+                if not rep.up_to_date() and not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
+                    if grant is not None:
+                        self.lease_client.release(grant)
+                    return self._ended_without_result(rep.abort(
+                        cell, attempt, "stale", "this replica could not load the kernel's variables",
+                        self.shell.execution_count + 1))
+                if rep.state.execution_count:
+                    self.shell.execution_count = rep.state.execution_count
                 return await self._run_here(cell, attempt, grant, code, silent, store_history,
                                             user_expressions, allow_stdin, cell_meta, cell_id)
             if decision.executor is not None:
-                return self._follow(rep.wait_for_end(cell, decision.executor, self.shell.execution_count + 1))
+                return self._follow(rep.wait_for_end(cell, decision.executor, self.shell.execution_count + 1),
+                                    code, store_history, silent)
             # Every replica's server is busy. Until migration exists, wait (bounded) and say so.
             waited = time.monotonic() - started
             if self._interrupted.is_set() or waited >= self.grant_timeout_s:
@@ -179,6 +208,26 @@ class GpuhubKernel(IPythonKernel):
             backoff = min(backoff * 2, 2.0)
             attempt += 1
 
+    def _no_majority(self, exc: RaftUnavailable) -> dict:
+        """The group lost its majority: an error reply now (from every replica that notices: the
+        router forwards the first), instead of a cell that never ends."""
+        rep = self.replica
+        reachable = 1 + sum(rep.raft.connected(p.raft) for p in rep.peers.values() if p.id != rep.id)
+        self._role = "executor"
+        log.warning("replica %d: no majority: %s", rep.id, exc)
+        return self._error_reply("ReplicasUnavailable", (
+            f"only {reachable} of this kernel's {len(rep.peers)} replicas can be reached and a cell needs "
+            f"a majority ({len(rep.peers) // 2 + 1}); the cell's variables are as before it. "
+            "Run it again once the replicas are back (gpuhub restarts lost ones)"), count=False)
+
+    def _end_unfinished(self) -> None:
+        """End in the log a cell that ran here while the group had no majority, so replicas still
+        waiting for it go on; its variables were rolled back."""
+        cell, attempt = self._unfinished
+        self.replica.abort(cell, attempt, "majority-lost", "the kernel's replicas lost their majority",
+                           self.replica.state.execution_count or self.shell.execution_count)
+        self._unfinished = None
+
     def _try_grant(self):
         if self.gpus == 0:
             return None
@@ -192,65 +241,78 @@ class GpuhubKernel(IPythonKernel):
 
     async def _run_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
                         allow_stdin, cell_meta, cell_id) -> dict:
-        """This replica is the executor: run the cell, publish its delta, then reply."""
+        """This replica is the executor: run the cell, publish the namespace image, then reply."""
         shell, rep = self.shell, self.replica
         began = time.monotonic()
-        hidden = set(shell.user_ns_hidden)
         if self.gpus == 0:
-            before = {k: id(v) for k, v in shell.user_ns.items() if k not in hidden}
+            rep.resident = {}  # the cell may write any buffer of the namespace
             self._running_here = True
             try:
                 reply = await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                                   cell_meta=cell_meta, cell_id=cell_id)
             finally:
                 self._running_here = False
-            delta = namespace_delta(shell.user_ns, before, self._digests, hidden, out_of_band=True,
-                                              alloc=rep.alloc_copy)
-            self._warn_unreplicable(delta["failed"])
+            cap = images.capture(shell.user_ns, shell.user_ns_hidden)
+            self._warn_unreplicable(cap.failed)
+            entry = rep.store_image(cap.stream, cap.names, cap.sized_buffers(), live=True)
         else:
             self._allow_stdin = allow_stdin
-            reply, delta = self._run_child(shell, code, silent, store_history, user_expressions or {},
-                                           grant, cell)
-            self._phases["child"] = time.monotonic() - began  # until its delta: the exit is not waited for
-            delta = delta or {"set": {}, "deleted": [], "device_tags": {}, "failed": {}, "digests": {}}
+            reply, sent = self._run_child(shell, code, silent, store_history, user_expressions or {}, grant, cell)
+            self._phases["child"] = time.monotonic() - began  # until its image: the exit is not waited for
+            entry = None
+            if sent is not None:
+                self._warn_unreplicable(sent.failed)
+                entry = rep.store_image(sent.stream, sent.names, sent.buffers, live=False)
         ran = time.monotonic()
         self._phases["run"] = ran - began
-        won, entries = rep.commit_cell(cell, attempt, reply["status"], delta["set"], delta["deleted"],
-                                       delta["device_tags"], shell.execution_count, delta.get("digests"))
+        try:
+            won = rep.commit_cell(cell, attempt, reply["status"], entry, shell.execution_count)
+        except RaftUnavailable as exc:
+            self._unfinished = (cell, attempt)
+            rep.loaded_version = -1  # roll the namespace back to the committed image next time
+            if self.gpus == 0:
+                rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
+            shell.execution_count = rep.state.execution_count or shell.execution_count - 1
+            return self._no_majority(exc)
         self._phases["commit"] = time.monotonic() - ran
-        log.debug("cell %s: %d value(s) committed; %s", cell, len(entries),
+        log.debug("cell %s: image %s; %s", cell, "unchanged" if entry is None else f"{entry.nbytes()} bytes",
                   ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
         if not won:
             # An abort committed first (this replica was cut off): take the group's state instead.
-            touched = set(delta["set"]) | set(delta["deleted"]) | set(delta["failed"])
-            rep.sync_namespace(shell.user_ns, self._digests, self._device_tags, force=touched)
+            rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
             self._role = "follower"
             return reply
-        if self.gpus == 0:
-            for name, entry in entries.items():
-                self._digests[name] = entry.digest
-            for name in delta["deleted"]:
-                self._digests.pop(name, None)
-        else:
-            delta["digests"] = {name: entry.digest for name, entry in entries.items()}
-            self._apply_delta(delta)
+        if self.gpus > 0 and entry is not None:
+            images.install(shell.user_ns, shell.user_ns_hidden, rep.load_image(entry))
         return reply
 
     def _warn_unreplicable(self, failed: dict[str, str]) -> None:
+        """Warn once per value that cannot travel (not again every cell while it stays)."""
+        ns = self.shell.user_ns
         for name, why in failed.items():
+            if images.OUTPUT_NAME.fullmatch(name) or self._unreplicable.get(name) == id(ns.get(name)):
+                continue
+            self._unreplicable[name] = id(ns.get(name))
             sys.stderr.write(f"[gpuhub] warning: variable {name!r} cannot be replicated ({why}); "
                              "it lives only on this replica and is lost if its server fails\n")
+        for name in [n for n in self._unreplicable if n not in failed]:
+            del self._unreplicable[name]
 
-    def _follow(self, outcome: CellOutcome) -> dict:
+    def _follow(self, outcome: CellOutcome, code: str, store_history: bool, silent: bool) -> dict:
         if outcome.kind == "abort":
             return self._ended_without_result(outcome)
-        failed = self.replica.sync_namespace(self.shell.user_ns, self._digests, self._device_tags)
-        if failed:
-            log.error("replica %d could not load %s after cell", self.replica.id, ", ".join(failed))
+        rep = self.replica
+        if not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
+            log.error("replica %d could not load the namespace after cell", rep.id)
+        if store_history and not silent:  # every replica keeps the session's history
+            self.shell.history_manager.store_inputs(outcome.execution_count - 1, code)
         self.shell.execution_count = outcome.execution_count
         self._role = "follower"
-        return {"status": outcome.status, "execution_count": outcome.execution_count - 1,
-                "user_expressions": {}, "payload": []}
+        reply = {"status": outcome.status, "execution_count": outcome.execution_count - 1,
+                 "user_expressions": {}, "payload": []}
+        if outcome.status == "error":  # ipykernel's metadata and stop-on-error read these
+            reply.update(ename="", evalue="", traceback=[])
+        return reply
 
     def _ended_without_result(self, outcome: CellOutcome) -> dict:
         """A cell ended by an abort: the replica whose abort won reports it, the others stay silent."""
@@ -264,23 +326,33 @@ class GpuhubKernel(IPythonKernel):
                 "evalue": outcome.detail, "traceback": [], "execution_count": outcome.execution_count - 1,
                 "user_expressions": {}, "payload": []}
 
-    def _error_reply(self, ename: str, evalue: str) -> dict:
+    def _error_reply(self, ename: str, evalue: str, *, count: bool = True) -> dict:
         tb = [f"{ename}: {evalue}"]
         self.shell._showtraceback(type(ename, (Exception,), {}), evalue, tb)
-        self.shell.execution_count += 1
+        if count:
+            self.shell.execution_count += 1
         return {"status": "error", "ename": ename, "evalue": evalue, "traceback": tb,
-                "execution_count": self.shell.execution_count - 1, "user_expressions": {}, "payload": []}
+                "execution_count": self.shell.execution_count - 1 if count else self.shell.execution_count,
+                "user_expressions": {}, "payload": []}
 
     def _run_child(self, shell, code, silent, store_history, user_expressions, grant,
                    cell: str) -> tuple[dict, dict | None]:
-        """Run one cell in a forked child holding ``grant``; returns its reply and the namespace delta
-        (not applied). The grant ends once the child has exited: at once if it died, otherwise on the
-        reaper's thread, so that neither its exit nor the release delays the reply."""
+        """Run one cell in a forked child holding ``grant``; returns its reply and what it sent of
+        the namespace image (not stored yet; None when it died). The grant ends once the child has
+        exited: at once if it died, otherwise on the reaper's thread, so that neither its exit nor
+        the release delays the reply."""
+        rep = self.replica
+        # As IPython 9's run_cell: the prompt number moves on when the cell starts, so the child's
+        # outputs (Out[n], _n) and the ones relayed here carry this cell's number.
+        number = shell.execution_count
+        counting = store_history and not silent
+        if counting:
+            shell.execution_count += 1
         try:
             preparing = time.monotonic()
             out_r, out_w = os.pipe()
             in_r, in_w = os.pipe()
-            hidden = set(shell.user_ns_hidden)
+            known = child.KnownBuffers.of(rep.resident, rep.store.digests())
             sys.stdout.flush()
             sys.stderr.flush()
             forking = time.monotonic()
@@ -294,8 +366,8 @@ class GpuhubKernel(IPythonKernel):
                 os.close(out_r)
                 os.close(in_w)
                 child.run(shell, code, silent=silent, store_history=store_history,
-                              user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
-                              digests=self._digests, device_tags=self._device_tags, hidden=hidden)
+                          user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
+                          known=known)
             except BaseException:
                 import traceback
 
@@ -306,15 +378,15 @@ class GpuhubKernel(IPythonKernel):
         os.close(in_r)
         self._child_pid = pid
         reader, replies = FrameReader(out_r), FrameWriter(in_w)
-        done = delta = status = None
+        done = sent = status = None
         try:
-            while delta is None:  # the delta is the child's last frame; nothing after it is awaited
+            while sent is None:  # the image is the child's last frame; nothing after it is awaited
                 for msg in reader.poll(0.5):
                     kind = msg[0]
                     if kind == "done":
                         done = msg[1]
-                    elif kind == "delta":
-                        delta = msg[1]
+                    elif kind == "image":
+                        sent = msg[1]
                         self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, replies)
@@ -324,22 +396,20 @@ class GpuhubKernel(IPythonKernel):
             self._child_pid = None
             os.close(out_r)  # a child still writing gets EPIPE and leaves
             os.close(in_w)
-            if delta is None:  # it died (or this process is leaving): its status says why
+            if sent is None:  # it died (or this process is leaving): its status says why
                 _, status = os.waitpid(pid, 0)
                 pid = None
             self.reaper.end_later(cell, pid, grant)
         storing = time.monotonic()
-        if store_history:
-            shell.history_manager.store_inputs(shell.execution_count, code)
+        if counting:
+            shell.history_manager.store_inputs(number, code)
         self._phases["history"] = time.monotonic() - storing
-        shell.execution_count += 1
         if done is None:
             # The child died mid-cell: the namespace stays as it was before this cell.
-            shell.execution_count -= 1
             return self._error_reply("CellProcessDied", f"the cell's process {_describe_status(status)}; "
-                                     "variables are as they were before this cell"), None
+                                     "variables are as they were before this cell", count=not counting), None
         done["execution_count"] = shell.execution_count - 1
-        return done, delta
+        return done, sent
 
     def _relay(self, msg: tuple, replies: FrameWriter) -> None:
         kind = msg[0]
@@ -366,33 +436,9 @@ class GpuhubKernel(IPythonKernel):
             _, prompt, password = msg
             try:
                 value = self.getpass(prompt) if password else self.raw_input(prompt)
-                replies.send("input_reply", value, "")
-            except Exception as exc:
-                replies.send("input_reply", None, f"{type(exc).__name__}: {exc}")
-
-    def _apply_delta(self, delta: dict) -> None:
-        ns = self.shell.user_ns
-        for name, data in delta["set"].items():
-            try:
-                ns[name] = pickle.loads(data)
-            except Exception as exc:
-                sys.stderr.write(f"[gpuhub] warning: variable {name!r} could not be restored "
-                                 f"after the GPU cell ({type(exc).__name__}: {exc}); it keeps its old value\n")
-                continue
-            hugepages.collapse_later(ns[name])  # the next GPU cell's fork copies fewer page-table entries
-            self._digests[name] = delta.get("digests", {}).get(name) or digest(data)
-            if name in delta["device_tags"]:
-                self._device_tags[name] = delta["device_tags"][name]
-            else:
-                self._device_tags.pop(name, None)
-        for name in delta["deleted"]:
-            ns.pop(name, None)
-            self._digests.pop(name, None)
-            self._device_tags.pop(name, None)
-        for name, why in delta["failed"].items():
-            previous = "keeps its value from before this cell" if name in ns else "is not kept after this cell"
-            sys.stderr.write(f"[gpuhub] warning: variable {name!r} cannot leave the GPU cell ({why}); "
-                             f"it {previous}\n")
+                replies.send("input_reply", value, "", "")
+            except Exception as exc:  # e.g. StdinNotImplementedError: raised again in the child
+                replies.send("input_reply", None, type(exc).__name__, str(exc))
 
     # --- interrupts: go to the cell's process, or stop a wait for a GPU ----
     def _signal_cell(self, sig: int) -> bool:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -50,12 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuhub.kernel import hugepages
+from gpuhub.kernel import image as images
 from gpuhub.replication import blobclient, oob
 from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore
-from gpuhub.replication.digest import digest
+from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
-from gpuhub.replication.log import CellOutcome, KernelLog, NameEntry, RaftGroup
+from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup
+from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
 
@@ -135,13 +136,22 @@ class Replica:
             raise RuntimeError(f"gpuhub: replica {replica_id} is not in its own peers list")
         self.me = self.peers[replica_id]
         self.key = key
+        self.sealer = Sealer(key)  # small images sit in the log, which pysyncobj writes to disk
         self.settings = settings or Settings.from_env()
         # CPU kernels run cells in this process: values are loaded copy-on-write from the store's
         # files (see load_value), so a cell writing them in place never changes a stored blob.
         self.cells_in_process = cells_in_process
         # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
         self.store = BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
-                               file_backed=cells_in_process)
+                               file_backed=True)
+        # Memory of this process known to hold a blob's bytes, unwritten since: the buffers of the
+        # image this replica loaded or captured last (see _buffer_for). Emptied when a cell starts
+        # in this process, since the cell may write any of it.
+        self.resident: dict[str, memoryview] = {}
+        self.loaded_version = 0  # the log's image_version this replica's namespace holds
+        # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
+        self._image_key: tuple | None = None
+        self._pending_key: tuple | None = None
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -271,36 +281,84 @@ class Replica:
         return self.state.outcomes[cell]
 
     # --- 2. the executor's end of a cell ----------------------------------------------
-    def commit_cell(self, cell: str, attempt: int, status: str, pickles: dict[str, bytes],
-                    deleted: list[str], device_tags: dict[str, int], execution_count: int,
-                    known_digests: dict[str, str] | None = None) -> tuple[bool, dict[str, NameEntry]]:
-        """Publish the names the cell changed; False if the cell had already been aborted.
-        ``known_digests``: digests of some of ``pickles`` the caller already computed."""
-        entries: dict[str, NameEntry] = {}
-        to_push: dict[str, bytes] = {}
-        known_digests = known_digests or {}
-        for name, data in pickles.items():
-            d = known_digests.get(name) or digest(data)
-            small = len(data) <= self.settings.inline_max_bytes
-            entries[name] = NameEntry(d, bytes(data) if small else None, len(data), device_tags.get(name))
-            if not small:
-                self._keep(d, data)
-                to_push[d] = data
-                if self.huge_pages:
-                    hugepages.collapse_later(data)
-        if to_push:
-            # Best effort: a replica that missed a blob fetches it from a peer when it applies.
-            for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, to_push).items():
+    def store_image(self, stream: bytes, names: list[str], buffers: list[tuple[str | None, int, object]], *,
+                    live: bool) -> ImageEntry | None:
+        """Keep an image's blobs here, push the new ones to the other replicas, and return its log
+        entry. ``buffers``: per out-of-band buffer, its digest when known, its size and its memory
+        (None when the digest is known and stored here). ``live``: the memory is that of live
+        values (an in-process cell's namespace), so a buffer the store lacks is copied in, hashed
+        while it is copied; otherwise the memory is handed over and kept as it is (a GPU cell's
+        child sent it, see gpuhub/kernel/child.py)."""
+        refs: list[tuple[str, int]] = []
+        new: dict[str, object] = {}
+        resident: dict[str, memoryview] = {}
+        for i, (known, n, mem) in enumerate(buffers):
+            if known is not None and self.store.has(known):
+                d = known
+            elif mem is None:
+                raise ValueError(f"buffer {i} of the image ({n} bytes) is neither stored here nor given")
+            elif live:
+                d, kept = self._copy_in(mem)
+                if kept is not None:
+                    new[d] = kept
+            else:
+                d = known or digest(mem)
+                if not self.store.has(d):
+                    self._keep(d, mem)
+                    new[d] = mem
+            refs.append((d, n))
+            if live:
+                resident.setdefault(d, mem)
+        if live:
+            self.resident = resident
+        key = (digest(stream), tuple(refs), tuple(names))
+        if key == self._image_key and self.up_to_date():
+            return None  # the namespace is what the group has: nothing to commit
+        self._pending_key = key
+        small = len(stream) <= self.settings.inline_max_bytes
+        if small:
+            stream = self.sealer.seal(stream)
+            sd = digest(stream)  # of the sealed bytes: a digest of the plain ones could be guessed at
+        else:
+            sd = digest(stream)
+            self.store.put(sd, stream)
+            new[sd] = stream
+        if new:
+            # Best effort: a replica that missed a blob fetches it from a peer when it loads.
+            for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, new).items():
                 if err:
-                    log.warning("could not push %d value(s) to %s: %s", len(to_push), addr, err)
-        self.raft.complete(cell, attempt, self.id, status, entries, list(deleted), execution_count)
+                    log.warning("could not push %d blob(s) to %s: %s", len(new), addr, err)
+        return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names))
+
+    def _copy_in(self, mv: memoryview) -> tuple[str, object | None]:
+        """Copy a live buffer into the store (its digest computed while copying); returns the
+        digest and the stored copy, or None when the store already had those bytes."""
+        n = mv.nbytes
+        buf = self.store.alloc(n, anonymous=True)
+        view = memoryview(buf)[:n]
+        d = fill_and_digest(view, lambda lo, hi: oob.copy_into(view[lo:hi], mv[lo:hi]))
+        if self.store.has(d):
+            view.release()
+            self.store.recycle(buf)
+            return d, None
+        self._keep(d, view if len(buf) != n else buf)
+        return d, view
+
+    def commit_cell(self, cell: str, attempt: int, status: str, image: ImageEntry | None,
+                    execution_count: int) -> bool:
+        """Publish the cell's end (and the namespace image, None when unchanged); False if the
+        cell had already been aborted."""
+        self.raft.complete(cell, attempt, self.id, status, image, execution_count)
         # The call returns when the leader applied it; wait until this replica did too.
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
         won = outcome.kind == "complete" and outcome.by == self.id
-        if won:  # older values of the changed names are no one's any more (a sticky executor
-            self.store.retain(self._blob_digests())  # never follows, so it never dropped them)
-        return won, entries
+        if won:
+            self.loaded_version = self.state.image_version
+            if image is not None:
+                self._image_key = self._pending_key
+            self.store.retain(self._blob_digests())  # older values are no one's any more
+        return won
 
     def _keep(self, d: str, data) -> None:
         """Store a value this replica produced. A layout written into a buffer from
@@ -311,10 +369,6 @@ class Replica:
             self.store.adopt(d, owner, memoryview(data).nbytes)
         else:
             self.store.put(d, data)
-
-    def alloc_copy(self, n: int) -> bytearray:
-        """Memory for the executor's copy of a changed value (see the module docstring)."""
-        return self.store.alloc(n, anonymous=True)
 
     # --- 3. the others ------------------------------------------------------------
     def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:
@@ -333,76 +387,73 @@ class Replica:
                                   f"the replica running this cell (on {peer.node or peer.raft}) stopped",
                                   execution_count)
 
-    def load_value(self, entry: NameEntry):
-        data = entry.inline
+    def _blob(self, d: str):
+        data = self.store.get(d)
         if data is None:
-            data = self.store.get(entry.digest)
-            if data is None:
-                data = blobclient.fetch(self.other_blob_addrs(), self.key, entry.digest, store=self.store)
-        if oob.is_layout(data):
-            value = oob.loads(data, self._buffer_source(entry.digest, data))
+            data = blobclient.fetch(self.other_blob_addrs(), self.key, d, store=self.store)
+        return data
+
+    def _buffer_for(self, d: str, n: int, used: set[str]):
+        """Writable memory holding blob ``d`` for a value being loaded (the aliasing rule, see the
+        module docstring): memory of this process that holds those bytes unwritten (at most once
+        per load: two values must never share it), else a copy-on-write mapping of the stored
+        file, else a private copy."""
+        if d not in used and d in self.resident and self.resident[d].nbytes == n and not self.resident[d].readonly:
+            used.add(d)
+            return self.resident[d]
+        data = self._blob(d)
+        if n:
+            try:
+                mapped = self.store.map_private(d, 0, n)
+            except OSError as exc:  # e.g. vm.max_map_count reached: copy instead
+                log.warning("replica %d: cannot map a buffer of %s…: %s", self.id, d[:16], exc)
+                mapped = None
+            if mapped is not None:
+                return memoryview(mapped)
+        copy = bytearray(n)
+        oob.copy_into(memoryview(copy), memoryview(data).cast("B"))
+        return memoryview(copy)
+
+    def load_image(self, entry: ImageEntry) -> dict:
+        """The ``{name: value}`` of a committed image, built on this replica's memory."""
+        if entry.inline is not None:
+            stream = self.sealer.open(entry.inline)
         else:
-            value = pickle.loads(data)
+            stream = bytes(self._blob(entry.stream_digest))
+        used: set[str] = set()
+        buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]
+        value = images.load(stream, buffers)
+        self._image_key = (digest(stream), entry.buffers, entry.names)
+        self.resident = {}
+        for (d, _), mv in zip(entry.buffers, buffers, strict=True):
+            self.resident.setdefault(d, mv)
         if self.huge_pages:
-            hugepages.collapse_later(data)  # kept in the store: forked with the process too
-            hugepages.collapse_later(value)
+            for mv in buffers:
+                hugepages.collapse_later(mv)
         return value
 
-    def _blob_digests(self, names: dict[str, NameEntry] | None = None) -> set[str]:
+    def _blob_digests(self) -> set[str]:
         with self.state.changed:
-            names = dict(self.state.names) if names is None else names
-        return {e.digest for e in names.values() if e.inline is None}
+            current = self.state.image
+        return current.blob_digests() if current is not None else set()
 
-    def _buffer_source(self, d: str, data):
-        """Where a layout's buffers come from when this replica loads it (the aliasing rule, see
-        the module docstring): a copy-on-write mapping of the stored file when there is one;
-        otherwise a private copy, made without the GIL."""
-        view = memoryview(data).cast("B")
-        mapped_so_far = 0
+    def up_to_date(self) -> bool:
+        """This replica's namespace holds the last committed image."""
+        return self.loaded_version == self.state.image_version
 
-        def buffer_at(offset: int, length: int):
-            nonlocal mapped_so_far
-            # one mapping per buffer: bounded, as a process has at most vm.max_map_count of them
-            if length and self.store.file_backed and mapped_so_far < MAX_MAPPED_BUFFERS:
-                try:
-                    mapped = self.store.map_private(d, offset, length)
-                except OSError as exc:  # e.g. vm.max_map_count reached: copy instead
-                    log.warning("replica %d: cannot map a buffer of %s…: %s", self.id, d[:16], exc)
-                    mapped = None
-                if mapped is not None:
-                    mapped_so_far += 1
-                    return mapped
-            copy = bytearray(length)
-            oob.copy_into(memoryview(copy), view[offset:offset + length])
-            return copy
-
-        return buffer_at
-
-    def sync_namespace(self, ns: dict, digests: dict[str, str], device_tags: dict[str, int],
-                       force: set[str] = frozenset()) -> list[str]:
-        """Make ``ns`` hold what the log says; returns names that could not be loaded."""
-        failed = []
-        names = dict(self.state.names)
-        for name, entry in names.items():
-            if digests.get(name) == entry.digest and name in ns and name not in force:
-                continue
-            try:
-                ns[name] = self.load_value(entry)
-            except Exception as exc:
-                log.error("replica %d cannot load %r: %s: %s", self.id, name, type(exc).__name__, exc)
-                failed.append(name)
-                continue
-            digests[name] = entry.digest
-            if entry.device_tag is None:
-                device_tags.pop(name, None)
-            else:
-                device_tags[name] = entry.device_tag
-        for name in [n for n in digests if n not in names]:
-            ns.pop(name, None)
-            digests.pop(name, None)
-            device_tags.pop(name, None)
-        for name in force:
-            if name not in names:
-                ns.pop(name, None)
-        self.store.retain(self._blob_digests(names))
-        return failed
+    def sync_namespace(self, ns: dict, hidden, *, force: bool = False) -> bool:
+        """Make ``ns`` hold the last committed image (nothing to do when it already does, unless
+        ``force``). False (and ``ns`` unchanged) when it could not be loaded."""
+        with self.state.changed:
+            entry, version = self.state.image, self.state.image_version
+        if entry is None or (version == self.loaded_version and not force):
+            return True
+        try:
+            values = self.load_image(entry)
+        except Exception as exc:
+            log.error("replica %d cannot load the namespace image: %s: %s", self.id, type(exc).__name__, exc)
+            return False
+        images.install(ns, hidden, values)
+        self.loaded_version = version
+        self.store.retain(entry.blob_digests())
+        return True

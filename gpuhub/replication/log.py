@@ -1,9 +1,10 @@
 """A kernel's replicated log: the Raft state machine its replicas share (pysyncobj, docs/architecture.md D4).
 
 The log carries small things only: executor proposals and votes, and for each finished cell the
-names it changed (small values inline, large values as a content digest whose bytes travel beside
-the log, see :mod:`gpuhub.replication.blobclient`). The state below is what a snapshot holds, so a
-replica that restarts, or a new one, rebuilds the namespace from it plus the blobs.
+namespace image it produced (gpuhub/kernel/image.py: a small pickle stream inline, large parts
+as content digests whose bytes travel beside the log, see :mod:`gpuhub.replication.blobclient`).
+The state below is what a snapshot holds, so a replica that restarts, or a new one, rebuilds the
+namespace from it plus the blobs.
 
 Entries are applied on pysyncobj's thread; waiters on the kernel's thread sleep on ``changed``.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -28,13 +30,26 @@ KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for the
 
 
 @dataclass(frozen=True)
-class NameEntry:
-    """One global as the log knows it: its content digest, and its pickle when small."""
+class ImageEntry:
+    """The kernel's namespace after a cell, as the log knows it (gpuhub/kernel/image.py): the
+    pickle stream (inline when small, else a blob named by its digest) and the digest and size of
+    each out-of-band buffer, in pickle order. The bytes of blobs travel beside the log."""
 
-    digest: str
-    inline: bytes | None  # None: the bytes are a blob, fetched by digest
-    size: int
-    device_tag: int | None = None  # logical GPU the value lived on (moved back there next GPU cell)
+    stream_digest: str
+    inline: bytes | None  # None: the stream is a blob, fetched by digest
+    stream_size: int
+    buffers: tuple[tuple[str, int], ...] = ()
+    names: tuple[str, ...] = ()
+
+    def blob_digests(self) -> set[str]:
+        """What a replica must keep (or fetch) to load this image."""
+        blobs = {d for d, _ in self.buffers}
+        if self.inline is None:
+            blobs.add(self.stream_digest)
+        return blobs
+
+    def nbytes(self) -> int:
+        return self.stream_size + sum(n for _, n in self.buffers)
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,8 @@ class KernelLog(SyncObjConsumer):
         self.on_apply = None  # optional callable(kind, cell) for metrics/logging
         super().__init__()
         self.members = members
-        self.names: dict[str, NameEntry] = {}
+        self.image: ImageEntry | None = None  # None: no cell has completed yet
+        self.image_version = 0  # counts committed images: a replica compares it with what it loaded
         self.execution_count = 0  # IPython's next prompt number; 0 = no cell yet
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
@@ -118,16 +134,17 @@ class KernelLog(SyncObjConsumer):
             self._applied("vote", cell)
 
     @replicated
-    def complete(self, cell: str, attempt: int, executor: int, status: str,
-                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int) -> bool:
-        """The executor's end of a cell. Loses (returns False) if an abort committed first."""
+    def complete(self, cell: str, attempt: int, executor: int, status: str, image: ImageEntry | None,
+                 execution_count: int) -> bool:
+        """The executor's end of a cell (``image`` None: the namespace did not change). Loses
+        (returns False) if an abort committed first."""
         with self.changed:
             if cell in self.outcomes:
                 self._applied("complete-late", cell)
                 return False
-            self.names.update(changed)
-            for name in deleted:
-                self.names.pop(name, None)
+            if image is not None:
+                self.image = image
+                self.image_version += 1
             self.execution_count = execution_count
             self.previous_executor = executor
             self._finish(cell, CellOutcome("complete", attempt, executor, status,
@@ -171,6 +188,8 @@ class RaftGroup:
     def __init__(self, self_addr: str, peer_addrs: list[str], key: bytes, journal_dir: str | None,
                  members: int, *, connection_retry_s: float = 0.5) -> None:
         self.log = KernelLog(members)
+        if journal_dir:
+            _private_journal(journal_dir)
         conf = SyncObjConf(
             appendEntriesUseBatch=False,  # else every commit waits for the batch tick (~100 ms)
             password=raft_password(key),
@@ -184,6 +203,8 @@ class RaftGroup:
             useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
         self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
+        if journal_dir:
+            _private_journal(journal_dir)  # again: pysyncobj has created its files now
 
     # --- entries ----------------------------------------------------------------
     def propose(self, cell: str, attempt: int, replica: int, lead: bool, *,
@@ -196,12 +217,11 @@ class RaftGroup:
         """An explicit vote for ``choice`` (a replica, or ``election.FAILED``) after a timeout."""
         self._commit("vote", self.log.vote, cell, attempt, voter, choice, timeout_s=timeout_s)
 
-    def complete(self, cell: str, attempt: int, executor: int, status: str,
-                 changed: dict[str, NameEntry], deleted: list[str], execution_count: int, *,
-                 timeout_s: float = 30.0) -> bool:
+    def complete(self, cell: str, attempt: int, executor: int, status: str, image: ImageEntry | None,
+                 execution_count: int, *, timeout_s: float = 30.0) -> bool:
         """The executor's end of ``cell``; False if another end committed first."""
-        return self._commit("complete", self.log.complete, cell, attempt, executor, status, changed,
-                            deleted, execution_count, timeout_s=timeout_s)
+        return self._commit("complete", self.log.complete, cell, attempt, executor, status, image,
+                            execution_count, timeout_s=timeout_s)
 
     def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str,
               execution_count: int, *, timeout_s: float = 30.0) -> bool:
@@ -209,19 +229,30 @@ class RaftGroup:
         return self._commit("abort", self.log.abort, cell, attempt, reporter, reason, detail,
                             execution_count, timeout_s=timeout_s)
 
+    no_majority_s = 4.0
+    """Give up on a commit after this long when fewer than a majority of members are connected
+    (a user then gets an error reply within seconds, not a cell that hangs)."""
+
+    def majority_connected(self) -> bool:
+        members = self.members
+        return 2 * (1 + sum(self.connected(a) for a in members)) > len(members) + 1
+
     def _commit(self, name: str, entry, *args, timeout_s: float):
         """Commit one entry (``entry``: a ``@replicated`` method of :attr:`log`); retries while a
-        leader is being elected. Raises RaftUnavailable."""
-        deadline = time.monotonic() + timeout_s
+        leader is being elected. Raises RaftUnavailable: after ``timeout_s``, or sooner
+        (:attr:`no_majority_s`) when a majority of the group is not even connected."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         delay = 0.02
         last = None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            remaining = deadline - now
+            if remaining <= 0 or (now - started >= self.no_majority_s and not self.majority_connected()):
                 raise RaftUnavailable(f"the kernel's replicas could not agree on {name!r} within "
-                                      f"{timeout_s:g} s ({last}); is a majority of them alive?")
+                                      f"{now - started:.0f} s ({last}); is a majority of them alive?")
             try:
-                return entry(*args, sync=True, timeout=min(remaining, 5.0))
+                return entry(*args, sync=True, timeout=min(remaining, 1.0))
             except SyncObjException as exc:
                 last = exc.errorCode
                 time.sleep(delay)
@@ -321,6 +352,20 @@ class RaftGroup:
     def stopped(self) -> bool:
         """pysyncobj's thread has ended: its port and journal are free."""
         return not self._sync.tick_thread_alive()
+
+
+def _private_journal(journal_dir: str) -> None:
+    """The journal's directory is the user's alone (0700) and its files are 0600: the log holds
+    the notebook's small values (sealed, gpuhub/replication/sealing.py), and other users share
+    the server. pysyncobj creates its files with the process's umask (the user's, which cells
+    rely on for their own files): they are made 0600 once they exist, and a snapshot rewritten
+    later is still inside the 0700 directory."""
+    os.makedirs(journal_dir, mode=0o700, exist_ok=True)
+    os.chmod(journal_dir, 0o700)
+    for name in os.listdir(journal_dir):
+        path = os.path.join(journal_dir, name)
+        if name.startswith("raft.") and os.path.isfile(path):
+            os.chmod(path, 0o600)
 
 
 class RaftUnavailable(RuntimeError):

@@ -5,12 +5,13 @@ RaftUnavailable without a majority. Every group is destroyed (its thread joined)
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from gpuhub.dev.cluster import free_port
-from gpuhub.replication.log import NameEntry, RaftGroup, RaftUnavailable, raft_password
+from gpuhub.replication.log import ImageEntry, RaftGroup, RaftUnavailable, raft_password
 
 KEY = b"kernel-connection-key"
 WRONG_KEY = b"some-other-kernel-key"
@@ -56,19 +57,25 @@ def addrs(n: int) -> list[str]:
     return [f"127.0.0.1:{free_port()}" for _ in range(n)]
 
 
-def entry(value: str) -> NameEntry:
-    return NameEntry(f"digest-{value}", value.encode(), len(value))
+def names_of(img: ImageEntry | None) -> dict[str, bytes]:
+    return {k: v.encode() for k, v in json.loads(img.inline).items()} if img is not None else {}
 
 
 def complete(group: RaftGroup, cell: str, executor: int, count: int, **names: str) -> bool:
-    return group.complete(cell, 0, executor, "ok", {k: entry(v) for k, v in names.items()}, [], count,
-                          timeout_s=10)
+    """End ``cell`` with a stand-in namespace image: the group's names so far plus ``names``, as
+    JSON in the inline stream (the log never looks inside an image)."""
+    img = None
+    if names:  # an executor has applied every earlier cell before it runs one (as the kernel does)
+        assert wait_until(lambda: group.log.execution_count >= count - 1), "earlier cells not applied"
+        merged = {k: v.decode() for k, v in names_of(group.log.image).items()} | names
+        stream = json.dumps(merged, sort_keys=True).encode()
+        img = ImageEntry(f"digest-{stream.hex()}", stream, len(stream), (), tuple(sorted(merged)))
+    return group.complete(cell, 0, executor, "ok", img, count, timeout_s=10)
 
 
 def state(group: RaftGroup) -> tuple:
     log = group.log
-    return ({k: v.inline for k, v in log.names.items()}, log.execution_count, log.previous_executor,
-            list(log.outcomes))
+    return (names_of(log.image), log.execution_count, log.previous_executor, list(log.outcomes))
 
 
 def test_password_is_derived_from_the_key():

@@ -19,7 +19,7 @@ from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
-from gpuhub.replication import blobclient, oob
+from gpuhub.replication import blobclient
 from gpuhub.replication.digest import digest
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run, wait_for_output
@@ -319,8 +319,9 @@ def _memfd_maps_at_least(pid: int, nbytes: int) -> bool:
     return total >= nbytes
 
 
-def _layout_digest(value) -> str:
-    return digest(oob.dumps(value).to_bytes())
+def _as_array(blob) -> np.ndarray:
+    """A float64 array's out-of-band buffer, as the blob store holds it (raw bytes)."""
+    return np.frombuffer(bytes(blob), dtype=np.float64)
 
 
 def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_kernel):
@@ -341,10 +342,10 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     key = cpu_kernel.key.encode()
     addrs = _blob_addrs(cpu_kernel.pid(executor))
     original = np.arange(n, dtype=np.float64)
-    d0 = _layout_digest(original)
+    d0 = digest(original)
 
     ok(cpu_kernel, "big += 1")  # the executor writes its own value in place
-    assert np.array_equal(oob.loads(blobclient.fetch([addrs[executor]], key, d0)), original)
+    assert np.array_equal(_as_array(blobclient.fetch([addrs[executor]], key, d0)), original)
 
     # The executor is lost: a follower that loaded `twin` copy-on-write runs the next cells.
     pid = cpu_kernel.pid(executor)
@@ -355,7 +356,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     second = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
     assert second in followers
     got = blobclient.fetch([addrs[second]], key, d0)  # verified: the in-place write left it intact
-    assert np.array_equal(oob.loads(got), original)
+    assert np.array_equal(_as_array(got), original)
 
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -21,7 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from gpuhub.replication.election import FAILED, Election, local_choice
-from gpuhub.replication.log import KernelLog, NameEntry
+from gpuhub.replication.log import ImageEntry, KernelLog
 
 LEAD, YIELD = True, False
 
@@ -124,7 +124,7 @@ class Sim:
 
 
 def state_of(log: KernelLog) -> tuple:
-    return (log.names, log.execution_count, log.previous_executor, dict(log.outcomes),
+    return (log.image, log.image_version, log.execution_count, log.previous_executor, dict(log.outcomes),
             {k: (e.previous, list(e.proposals.items()), e.outcome) for k, e in log.elections.items()})
 
 
@@ -189,8 +189,14 @@ def test_local_choice_ignores_outcome_and_a_decision_never_unmakes():
 
 # --- KernelLog: the state machine, entry by entry ----------------------------------------------------
 def complete(log: KernelLog, cell: str, attempt: int, executor: int, count: int = 1, **changed) -> bool:
-    entries = {k: NameEntry(f"d-{v}", repr(v).encode(), 1) for k, v in changed.items()}
-    return log.apply("complete", cell, attempt, executor, "ok", entries, [], count)
+    image = image_of(changed) if changed else None
+    return log.apply("complete", cell, attempt, executor, "ok", image, count)
+
+
+def image_of(names: dict) -> ImageEntry:
+    """A stand-in image whose inline stream is the names' repr (the log never looks inside)."""
+    stream = repr(sorted(names.items())).encode()
+    return ImageEntry(f"d-{stream.hex()}", stream, len(stream), (), tuple(names))
 
 
 def test_entries_apply_directly_without_a_group():
@@ -200,7 +206,7 @@ def test_entries_apply_directly_without_a_group():
     assert complete(log, "a", 0, 2, x=1) is True
     assert log.previous_executor == 2 and ("a", 0) not in log.elections
     assert log.outcomes["a"].kind == "complete" and log.outcomes["a"].by == 2
-    assert log.names["x"].inline == b"1" and log.execution_count == 1
+    assert log.image == image_of({"x": 1}) and log.image_version == 1 and log.execution_count == 1
 
 
 def test_sticky_previous_executor_wins_over_an_earlier_lead():
@@ -229,7 +235,7 @@ def test_abort_and_complete_first_wins_and_late_entries_are_ignored():
     assert log.apply("abort", "a", 0, 1, "no-gpu", "", 1) is True
     assert complete(log, "a", 0, 0, x=1) is False  # the abort committed first
     assert log.apply("abort", "a", 0, 2, "interrupted", "", 1) is False
-    assert log.outcomes["a"].kind == "abort" and log.outcomes["a"].by == 1 and "x" not in log.names
+    assert log.outcomes["a"].kind == "abort" and log.outcomes["a"].by == 1 and log.image is None
     before = state_of(log)
     log.apply("propose", "a", 0, 2, LEAD)  # a retried call, committed late
     log.apply("propose", "a", 1, 2, LEAD)
@@ -311,7 +317,7 @@ def test_one_election_under_any_interleaving(data):
     key = ("c", 0)
     sim = Sim(n)
     if previous is not None:
-        sim.seed("complete", "z", 0, previous, "ok", {}, [], 1)
+        sim.seed("complete", "z", 0, previous, "ok", None, 1)
     proposed, voted = set(), set()
     for action, r, k in steps:
         if not sim.alive[r]:
@@ -490,7 +496,7 @@ class Kernels:
                 self.cur[r], self.attempt[r] = self.cur[r] + 1, 0  # on to the next cell
             elif e is not None and e.outcome == r:  # elected here: run it, publish the result
                 sim.submit(r, "complete", cell, att, r, "ok",
-                           {cell: NameEntry(f"d-{cell}", cell.encode(), 1)}, [], self.cur[r] + 1)
+                           image_of({"cell": cell}), self.cur[r] + 1)
             elif e is not None and e.outcome == FAILED:
                 self.attempt[r] += 1  # nobody could run it: try again
 
@@ -534,11 +540,11 @@ def test_many_cells_under_any_interleaving(data):
     assert all(len(v) <= 1 for v in sim.executors.values())
     if any(sim.alive):
         assert set(replayed.outcomes) == set(CELLS)
-    # the completed cells' names are exactly the ones their executors published
-    completed = {c for c, o in replayed.outcomes.items() if o.kind == "complete"}
-    assert set(replayed.names) == completed
-    for c in completed:
-        assert replayed.names[c].inline == c.encode()
+    # every completed cell published one image; the state holds the last one committed
+    completed = [c for c, o in replayed.outcomes.items() if o.kind == "complete"]
+    assert replayed.image_version == len(completed)
+    if completed:
+        assert replayed.image == image_of({"cell": completed[-1]})
     # how much the drawn runs exercise (pytest --hypothesis-show-statistics)
     event(f"cells completed: {stats['complete']}")
     event(f"late ends ignored: {min(stats['late end'], 2)}+")

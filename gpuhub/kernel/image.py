@@ -1,0 +1,178 @@
+"""The namespace image: a kernel's replicated variables as one object graph (docs/architecture.md D4).
+
+After every cell the executor captures the whole replicated namespace as **one** pickle (protocol
+5, cloudpickle so that functions and classes defined in the notebook travel by value) of the dict
+``{name: value}``. One pickle has one memo, so whatever the names share survives: two names bound
+to one object, references into other objects (``opt = SGD(model.parameters())`` keeps updating
+``model``), cycles, and numpy views of one base (:func:`_view_of`). Pickling each name on its own,
+as gpuhub did before, silently gave every name its own copy.
+
+Large buffers (:data:`BUFFER_MIN_BYTES` or more: numpy arrays wherever they sit, DataFrame blocks)
+leave the stream out of band and are named by content digest. A buffer the group already has is
+neither copied nor sent again; with :mod:`gpuhub.kernel.dirty` it is not even hashed. So a cell
+costs what it changed in bytes, plus one pass over the namespace's small objects.
+
+What is replicated: every name of ``user_ns`` except IPython's own (``user_ns_hidden``) and its
+input history names (``_i``, ``_ii``, ``_i3`` …: each replica records the inputs itself). The
+output history *is* replicated: ``_``, ``__``, ``___``, ``_3`` and ``Out`` (whose entries that
+cannot be pickled are left out of the image, never the whole dict). A name whose value cannot be
+pickled stays on the executor only; the caller warns.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import cloudpickle
+
+from gpuhub.kernel import devices
+
+BUFFER_MIN_BYTES = 1 << 20
+"""Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
+OUT = "Out"
+OUTPUT_NAME = re.compile(r"_+|_\d+")  # _, __, ___ and _N: IPython's output history
+INPUT_NAME = re.compile(r"_i+|_i\d+|_ih|_oh|_dh")  # input history: each replica keeps its own
+
+
+@dataclass
+class Capture:
+    """A captured namespace: the pickle stream and its out-of-band buffers, in pickle order.
+
+    ``buffers`` alias the live values' memory: write them out (or hash them) before the values can
+    change. ``digests[i]`` is buffer i's digest when it is known without hashing (else None)."""
+
+    stream: bytes
+    buffers: list[memoryview]
+    digests: list[str | None]
+    names: list[str]
+    failed: dict[str, str] = field(default_factory=dict)  # name -> why it could not be pickled
+
+    def sized_buffers(self) -> list[tuple[str | None, int, memoryview]]:
+        """(known digest, size, memory) per buffer, as :meth:`Replica.store_image` takes them."""
+        return [(d, mv.nbytes, mv) for d, mv in zip(self.digests, self.buffers, strict=True)]
+
+
+def replicated_names(ns: dict, hidden) -> list[str]:
+    """The names of ``ns`` an image carries, in namespace order."""
+    names = []
+    for name in ns:
+        if name == OUT or OUTPUT_NAME.fullmatch(name):
+            names.append(name)
+        elif name in hidden or INPUT_NAME.fullmatch(name) or (name.startswith("__") and name.endswith("__")):
+            continue
+        else:
+            names.append(name)
+    return names
+
+
+def _view_of(base, offset: int, shape: tuple, strides: tuple, dtype):
+    """Rebuild a numpy view on ``base`` (itself rebuilt once, from the same pickle memo)."""
+    import numpy as np
+
+    return np.ndarray(shape, dtype=dtype, buffer=base, offset=offset, strides=strides)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus numpy views kept as views of their (shared) base, and GPU tensors sent
+    from the host with their logical device (:mod:`gpuhub.kernel.devices`)."""
+
+    def reducer_override(self, obj):
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray and isinstance(obj.base, np.ndarray):
+            base = obj.base
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            if type(base) is np.ndarray and base.flags.c_contiguous and not base.dtype.hasobject:
+                offset = obj.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+                if 0 <= offset <= base.nbytes:
+                    return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
+        reduced = devices.reduce_gpu_value(obj)
+        if reduced is not None:
+            return reduced
+        return super().reducer_override(obj)
+
+
+def _dumps(value, take: Callable[[pickle.PickleBuffer], bool]) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=take).dump(value)
+    return out.getvalue()
+
+
+def _picklable(value) -> str | None:
+    """None when ``value`` pickles on its own, else why not."""
+    try:
+        _dumps(value, lambda pb: True)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None] = lambda mv: None,
+            min_buffer: int = BUFFER_MIN_BYTES) -> Capture:
+    """Pickle the replicated part of ``ns`` as one object graph (see the module docstring).
+
+    ``known_digest(buffer)``: the digest of an out-of-band buffer when it is known without hashing
+    (e.g. unchanged since the last image, :mod:`gpuhub.kernel.dirty`), else None."""
+    names = replicated_names(ns, hidden)
+    failed: dict[str, str] = {}
+    image = {name: ns[name] for name in names}
+    if isinstance(image.get(OUT), dict):
+        image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
+    buffers: list[memoryview] = []
+
+    def take(pb: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pb.raw()  # contiguous bytes; BufferError when not contiguous
+        except BufferError:
+            return True
+        if raw.nbytes < min_buffer:
+            return True
+        buffers.append(raw)
+        return False
+
+    while True:
+        buffers.clear()
+        try:
+            stream = _dumps(image, take)
+            break
+        except Exception as exc:
+            # Find what cannot be pickled, name by name, and leave it out (rare: costs a second pass).
+            bad = {name: why for name in image if name != OUT and (why := _picklable(image[name]))}
+            out = image.get(OUT)
+            dropped = [k for k, v in out.items() if _picklable(v)] if isinstance(out, dict) else []
+            for key in dropped:
+                del out[key]
+            if not bad and not dropped:  # only the whole fails (e.g. too deep): nothing replicates
+                bad = {name: f"{type(exc).__name__}: {exc}" for name in image}
+            failed.update(bad)
+            for name in bad:
+                image.pop(name, None)
+    return Capture(stream, buffers, [known_digest(b) for b in buffers], list(image), failed)
+
+
+def load(stream, buffers: list) -> dict:
+    """The ``{name: value}`` an image holds; ``buffers`` supply its out-of-band buffers, in order
+    (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py)."""
+    return pickle.loads(stream, buffers=buffers)
+
+
+def install(ns: dict, hidden, image: dict) -> None:
+    """Make ``ns`` hold exactly the image's replicated names (others of IPython's stay as they are).
+    ``Out`` is updated in place: IPython's displayhook and history hold that very dict."""
+    for name in replicated_names(ns, hidden):
+        if name not in image and name != OUT:
+            del ns[name]
+    out = image.pop(OUT, None)
+    ns.update(image)
+    if isinstance(out, dict):
+        current = ns.get(OUT)
+        if isinstance(current, dict):
+            current.clear()
+            current.update(out)
+        else:
+            ns[OUT] = out

@@ -1,0 +1,213 @@
+"""A replicated kernel gives what a plain ipykernel gives (issue: a faithful replicated kernel):
+shared objects, a training loop across cells, a replica that fell behind, a lost majority,
+output history, input, and secrets that never reach the disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from gpuhub.dev.cluster import DevCluster
+from tests.helpers import wait_for
+from tests.integration.test_gpu_cells import run
+from tests.integration.test_replicated import ReplicatedKernel, executor_node, ok, take_the_gpu
+
+# A small model and an optimizer that holds references to the model's parameters, across cells:
+# the shape of `model = Net(); opt = SGD(model.parameters())` (numpy: CPU-only CI has no torch).
+TRAINING = [
+    """import numpy as np
+rng = np.random.default_rng(0)
+X = rng.normal(size=(256, 8)); true_w = rng.normal(size=8); y = X @ true_w
+class Linear:
+    def __init__(self, n):
+        self.w = np.zeros(n); self.b = np.zeros(1)
+    def parameters(self):
+        return [self.w, self.b]
+    def __call__(self, X):
+        return X @ self.w + self.b
+class SGD:
+    def __init__(self, params, lr):
+        self.params, self.lr = params, lr
+    def step(self, grads):
+        for p, g in zip(self.params, grads):
+            p -= self.lr * g
+model = Linear(8); opt = SGD(model.parameters(), lr=0.05)
+def train(steps):
+    for _ in range(steps):
+        err = model(X) - y
+        opt.step([X.T @ err / len(X), np.array([err.mean()])])
+    return float(((model(X) - y) ** 2).mean())""",
+    "print(f'{train(20):.6f}')",
+    "print(f'{train(20):.6f}')",
+    "print(f'{train(20):.6f}')",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_losses():
+    """What a plain ipykernel prints for the training cells: the anchor."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outs = []
+        for code in TRAINING:
+            reply, out = run(kc, code)
+            assert reply["status"] == "ok", out
+            outs.append(out["stdout"])
+        return outs
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = DevCluster(tmp_path, nodes=3, gpus_per_node=1).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=[0, 1], ids=["cpu", "gpu"])
+def kernel(cluster, request):
+    k = ReplicatedKernel(cluster, gpus=request.param)
+    yield k
+    k.close()
+
+
+def executor_id(kernel) -> int:
+    node = executor_node(kernel)
+    return next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
+
+
+def live(kernel) -> list[int]:
+    async def ask():
+        return kernel.router.live_replicas()
+    return kernel.loop.run(ask())
+
+
+def test_training_across_cells_gives_plain_ipykernels_losses(kernel, plain_losses):
+    outs = [ok(kernel, code)["stdout"] for code in TRAINING]
+    assert outs == plain_losses
+    assert float(outs[-1]) < float(outs[1])  # it trains: the optimizer updates the model itself
+    # the executor is lost: the next executor's copy of the graph still trains the same model
+    os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)
+    again = ok(kernel, "print(opt.params[0] is model.w, f'{train(20):.6f}')", timeout=60)["stdout"].split()
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        for code in TRAINING:
+            run(kc, code)
+        _, anchor = run(kc, "print(opt.params[0] is model.w, f'{train(20):.6f}')")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert again == anchor["stdout"].split() and again[0] == "True"
+
+
+def test_shared_objects_stay_shared(kernel):
+    ok(kernel, "s = [1]\nholder = {'a': s, 'b': s}\nimport numpy as np\nbase = np.zeros(400_000)\nhead = base[:4]")
+    ok(kernel, "s.append(2)\nbase[0] = 7")
+    out = ok(kernel, "print(holder['a'] is s, holder['b'] is holder['a'], holder['a'], head[0])")
+    assert out["stdout"].split() == ["True", "True", "[1,", "2]", "7.0"]
+    os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)  # a follower's copy of the graph takes over
+    out = ok(kernel, "head[1] = 5\nprint(holder['a'] is s, holder['a'], base[1])", timeout=60)
+    assert out["stdout"].split() == ["True", "[1,", "2]", "5.0"]
+
+
+def test_output_history_and_prompts_match_ipykernel(kernel):
+    msg_id = kernel.kc.execute("6 * 7")
+    reply = kernel.kc.get_shell_msg(timeout=30)["content"]
+    results = []
+    while True:
+        msg = kernel.kc.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "execute_result":
+            results.append(msg["content"]["execution_count"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert results == [reply["execution_count"]]  # Out[n] next to In [n]
+    n = reply["execution_count"]
+    out = ok(kernel, f"print(_, Out[{n}], _{n})")
+    assert out["stdout"].split() == ["42", "42", "42"]
+    hist = kernel.kc.history(hist_access_type="tail", n=2, output=False, raw=True, reply=True, timeout=30)
+    assert [entry[2] for entry in hist["content"]["history"]] == ["6 * 7", f"print(_, Out[{n}], _{n})"]
+
+
+def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
+    reply, out = run(kernel.kc, "input('name? ')")
+    assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)
+
+
+def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
+    """A replica the router skipped (stopped for a while) must not run a cell on its old
+    namespace: here it becomes the only replica with a free GPU, so it executes next."""
+    kernel = ReplicatedKernel(cluster, gpus=1)
+    try:
+        ok(kernel, "counter = 0")
+        behind = next(r for r in kernel.record["replicas"] if r["id"] != executor_id(kernel))
+        os.kill(kernel.pid(behind["id"]), signal.SIGSTOP)
+        try:
+            wait_for(lambda: behind["id"] not in live(kernel), 30, "the router to skip the stopped replica")
+            for _ in range(5):
+                ok(kernel, "counter += 1", timeout=60)
+        finally:
+            os.kill(kernel.pid(behind["id"]), signal.SIGCONT)
+        wait_for(lambda: behind["id"] in live(kernel), 30, "the replica to answer the router again")
+        for agent in cluster.agents:  # only the replica that fell behind can get a GPU now
+            if agent.name != behind["node"]:
+                take_the_gpu(agent, "hog-" + agent.name)
+        out = ok(kernel, "print(counter, __import__('os').environ['GPUHUB_NODE'])", timeout=120)
+        assert out["stdout"].split() == ["5", behind["node"]]
+    finally:
+        kernel.close()
+
+
+def test_a_lost_majority_is_an_error_reply_and_the_cell_runs_once_replicas_are_back(cluster):
+    kernel = ReplicatedKernel(cluster, gpus=0)
+    stopped: list[int] = []
+    try:
+        ok(kernel, "x = 1")
+        executor = executor_id(kernel)
+        stopped = [kernel.pid(r["id"]) for r in kernel.record["replicas"] if r["id"] != executor]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        reply, out = run(kernel.kc, "x += 1", timeout=60)
+        took = time.monotonic() - started
+        assert reply["status"] == "error" and reply["ename"] == "ReplicasUnavailable", (reply, out)
+        assert "majority" in reply["evalue"]
+        print(f"lost majority answered in {took:.1f} s")  # the goal (5 s) is a benchmark's, not asserted
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
+        out = ok(kernel, "x += 1\nprint(x)", timeout=60)
+        assert out["stdout"].strip() == "2"  # the failed attempt changed nothing
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        kernel.close()
+
+
+def test_a_password_never_reaches_the_disk(cluster):
+    kernel = ReplicatedKernel(cluster, gpus=0)
+    secret = "correct-horse-" + os.urandom(6).hex()
+    try:
+        reply, out = run(kernel.kc, "import getpass\npw = getpass.getpass('password: ')\nn = len(pw)",
+                         stdin=lambda msg: kernel.kc.input(secret))
+        assert reply["status"] == "ok", out
+        ok(kernel, "print(n)")
+        journals = [p for p in Path(cluster.tmp).rglob("raft.journal")]
+        assert len(journals) >= 3
+        for journal in journals:
+            assert stat.S_IMODE(journal.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(journal.stat().st_mode) == 0o600
+        for path in Path(cluster.tmp).rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"the password is in {path}"
+    finally:
+        kernel.close()

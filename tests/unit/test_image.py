@@ -1,0 +1,189 @@
+"""The namespace image keeps one object graph: values and every ``is`` relation survive capture
+and load, as they do in a plain kernel's namespace (gpuhub/kernel/image.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuhub.kernel import image as images
+
+HIDDEN = {"In", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}
+
+
+def roundtrip(ns: dict, *, min_buffer: int = images.BUFFER_MIN_BYTES) -> tuple[dict, images.Capture]:
+    cap = images.capture(ns, HIDDEN, min_buffer=min_buffer)
+    # a receiver gets fresh, writable memory for each out-of-band buffer, as a replica does
+    buffers = [memoryview(bytearray(b)) for b in cap.buffers]
+    return images.load(cap.stream, buffers), cap
+
+
+def identity_shape(ns: dict) -> tuple:
+    """Which (name, path) pairs reach the same object, and which arrays share memory (views): the
+    graph's aliasing, comparable across copies."""
+    seen: dict[int, str] = {}
+    pairs = []
+    arrays: list[tuple[str, np.ndarray]] = []
+
+    def walk(value, path: str, depth: int) -> None:
+        if isinstance(value, (int, float, str, bytes, bool, type(None))) or depth > 6:
+            return
+        first = seen.setdefault(id(value), path)
+        if first != path:
+            pairs.append((path, first))
+            return
+        if isinstance(value, np.ndarray):
+            arrays.append((path, value))
+        if isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                walk(value[k], f"{path}[{k!r}]", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", depth + 1)
+
+    for name in sorted(ns):
+        walk(ns[name], name, 0)
+    shared = [(p, q) for i, (p, a) in enumerate(arrays) for q, b in arrays[i + 1:]
+              if a.size and b.size and np.shares_memory(a, b)]
+    return tuple(pairs), tuple(shared)
+
+
+def test_two_names_for_one_object_stay_one_object():
+    s = [1, 2]
+    ns = {"s": s, "holder": {"a": s, "b": s}, "t": (s,)}
+    got, _ = roundtrip(ns)
+    assert got["holder"]["a"] is got["s"] and got["holder"]["b"] is got["s"] and got["t"][0] is got["s"]
+    got["s"].append(3)
+    assert got["holder"]["a"] == [1, 2, 3]
+
+
+def test_an_optimizer_like_object_keeps_updating_its_model():
+    class Model:
+        def __init__(self):
+            self.weights = np.zeros(4)
+
+    class Optimizer:
+        def __init__(self, params):
+            self.params = params
+
+        def step(self):
+            for p in self.params:
+                p += 1
+
+    model = Model()
+    got, _ = roundtrip({"model": model, "opt": Optimizer([model.weights])})
+    got["opt"].step()
+    assert got["model"].weights.tolist() == [1.0] * 4
+
+
+def test_views_stay_views_of_their_base_large_and_small():
+    for n in (16, 300_000):  # in the stream, and out of band (2.4 MB)
+        a = np.arange(n, dtype=np.float64)
+        got, cap = roundtrip({"a": a, "evens": a[::2], "head": a[:3]})
+        assert bool(cap.buffers) == (a.nbytes >= images.BUFFER_MIN_BYTES)
+        got["a"][0] = -1
+        got["a"][2] = -2
+        assert got["head"][0] == -1 and got["evens"][1] == -2
+        assert got["a"].flags.writeable and got["evens"].flags.writeable
+
+
+def test_cycles_survive():
+    a: list = []
+    b = {"a": a}
+    a.append(b)
+    got, _ = roundtrip({"a": a, "b": b})
+    assert got["a"][0] is got["b"] and got["b"]["a"] is got["a"]
+
+
+def test_an_unpicklable_name_stays_behind_and_the_rest_keeps_its_sharing():
+    s = {"k": 1}
+    ns = {"lock": threading.Lock(), "s": s, "pair": [s, s], "Out": {1: s, 2: threading.Lock()}, "_": s}
+    got, cap = roundtrip(ns)
+    assert set(cap.failed) == {"lock"} and "lock" in cap.failed["lock"]
+    assert got["pair"][0] is got["s"] and got["_"] is got["s"]
+    assert list(got["Out"]) == [1] and got["Out"][1] is got["s"]  # the output that cannot travel is left out
+
+
+def test_what_is_and_is_not_replicated():
+    ns = {"x": 1, "_private": 2, "_": 3, "__": 4, "_7": 5, "_i": "x = 1", "_i7": "x", "_ih": [], "In": [],
+          "__builtins__": object(), "__name__": "__main__", "Out": {}, "get_ipython": print}
+    assert images.replicated_names(ns, HIDDEN) == ["x", "_private", "_", "__", "_7", "Out"]
+
+
+def test_install_updates_out_in_place_and_removes_names_that_are_gone():
+    out = {1: "old"}
+    ns = {"x": 1, "gone": 2, "Out": out, "_i1": "x = 1"}
+    images.install(ns, HIDDEN, {"x": 5, "Out": {2: "new"}})
+    assert ns == {"x": 5, "Out": {2: "new"}, "_i1": "x = 1"} and ns["Out"] is out
+
+
+def test_large_buffers_leave_the_stream_and_known_digests_are_used():
+    big = np.ones(300_000)
+    cap = images.capture({"big": big, "small": np.ones(3)}, HIDDEN, known_digest=lambda mv: "d" * 64)
+    assert len(cap.buffers) == 1 and cap.buffers[0].nbytes == big.nbytes and cap.digests == ["d" * 64]
+    assert len(cap.stream) < 10_000
+
+
+# --- property: random object graphs ------------------------------------------------------------
+leaves = st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False),
+                   st.builds(lambda n: np.arange(n, dtype=np.int64), st.integers(0, 40)))
+
+
+@st.composite
+def graphs(draw):
+    """A namespace of containers that share objects at random, with cycles and numpy views."""
+    pool: list = [draw(leaves) for _ in range(draw(st.integers(1, 6)))]
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["list", "dict", "tuple", "view", "cycle"]))
+        picks = draw(st.lists(st.sampled_from(range(len(pool))), max_size=4))
+        items = [pool[i] for i in picks]
+        if kind == "list":
+            pool.append(list(items))
+        elif kind == "dict":
+            pool.append({f"k{i}": v for i, v in enumerate(items)})
+        elif kind == "tuple":
+            pool.append(tuple(items))
+        elif kind == "view":
+            arrays = [v for v in pool if isinstance(v, np.ndarray) and v.size > 2]
+            if arrays:
+                pool.append(draw(st.sampled_from(arrays))[1::2])
+        elif kind == "cycle":
+            lists = [v for v in pool if isinstance(v, list)]
+            if lists:
+                target = draw(st.sampled_from(lists))
+                target.append(draw(st.sampled_from(pool)))
+    names = draw(st.lists(st.sampled_from(range(len(pool))), min_size=1, max_size=6))
+    return {f"v{i}": pool[j] for i, j in enumerate(names)}
+
+
+def values_equal(a, b, seen=None) -> bool:
+    seen = set() if seen is None else seen
+    if (id(a), id(b)) in seen:
+        return True
+    seen.add((id(a), id(b)))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k], seen) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(values_equal(x, y, seen) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(ns=graphs(), oob=st.booleans())
+def test_random_graphs_keep_values_and_identities(ns, oob):
+    # min_buffer 64 bytes sends most arrays out of band, as large ones go in practice
+    got, _ = roundtrip(ns, min_buffer=64 if oob else images.BUFFER_MIN_BYTES)
+    assert set(got) == set(ns)
+    for name in ns:
+        assert values_equal(ns[name], got[name])
+    assert identity_shape(got) == identity_shape(ns)
+    # twice over (a follower's image becomes the next executor's): still the same graph
+    again, _ = roundtrip(got, min_buffer=64 if oob else images.BUFFER_MIN_BYTES)
+    assert identity_shape(again) == identity_shape(ns)
