@@ -1,4 +1,4 @@
-"""Replicated kernels (B1–B4): three replicas behind the router vs a plain ipykernel, on loopback.
+"""Replicated kernels (B1–B5): three replicas behind the router vs a plain ipykernel, on loopback.
 
 Run: `make bench` (all benchmarks) or `.venv/bin/python -m bench replicated`; one part only:
 `.venv/bin/python -m bench.replicated_bench B2` (B1, B2, B3, B4, comma- or space-separated).
@@ -15,6 +15,10 @@ run, its cells interleaved with the measured kernel's in rounds so that machine 
 - B3: a changed 1 GiB array to both followers: (a) transport only, ``bench.blob_bench`` (1 GiB
   to 2 peers); (b) end to end, ``big += 1`` on the CPU kernel minus the same cell on plain;
   GB/s = 2**30 bytes / that extra time (GB = 1e9 bytes).
+- B5: ``pass`` on a CPU kernel with ``big`` (1 GiB) in both namespaces vs plain: the cost of a
+  cell that changes nothing in a large namespace (issue: a faithful replicated kernel; goal
+  ≤ 1.5× plain). Every cell captures the namespace image; without page tracking each large
+  buffer is hashed once per cell.
 - B4: SIGKILL an idle (non-executor) replica and its node's agent, then time the next cell;
   median over 5 fresh kernels (each on a fresh DevCluster).
 """
@@ -42,7 +46,8 @@ BIG = "import numpy as np\nbig = np.ones(1 << 27)  # 1 GiB of float64"
 GIB = 1 << 30
 B3_CELLS = 5
 B4_KERNELS = 5
-PARTS = ("B1", "B2", "B3", "B4")
+PARTS = ("B1", "B2", "B3", "B4", "B5")
+B5_CELLS = 30
 
 
 def cell(kc: BlockingKernelClient, code: str, timeout: float = 120) -> tuple[float, dict]:
@@ -162,6 +167,16 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
                 cell(plain, "del big")
             finally:
                 k.close()
+        if "B5" in parts:
+            k = DevKernel(cluster, gpus=0)
+            try:
+                results["B5-setup-s"], results["B5-setup-aborts"] = setup(k.kc, BIG)
+                cell(plain, BIG)
+                t = interleaved({"cpu": k.kc, "plain": plain}, "pass", n=B5_CELLS, warmup=3)
+                results["B5"] = row("B5 `pass`, CPU kernel, 3 replicas, 1 GiB `big` in both", t["cpu"], t["plain"])
+                cell(plain, "del big")
+            finally:
+                k.close()
     finally:
         cluster.stop()
 
@@ -217,7 +232,7 @@ def machine() -> str:
 
 def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str:
     lines = [
-        "## Replicated kernels (B1–B4)",
+        "## Replicated kernels (B1–B5)",
         "",
         (f"Command: `{command}` — {machine()}. Soft-dirty bits on this kernel: "
          f"{'yes' if soft_dirty else 'no'} (GPU cells use copy-on-write bits in the forked child)."),
@@ -252,12 +267,15 @@ def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str
         lines.append(f"| {r['label']} (n={r['n']}) | p50 {r['p50']:.2f} s | plain p50 {r['anchor_p50']:.2f} s "
                      f"| +{r['extra']:.2f} s → {r['gbps']:.2f} GB/s | ≥ 1 GB/s "
                      f"| {'yes' if r['gbps'] >= 1 else '**no**'} |")
+    if "B5" in results:
+        r = results["B5"]
+        kernel_row("B5", "p50 ≤ 1.5× plain", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain, +{ms(r['extra'])} ms")
     if "B4" in results:
         b = results["B4"]
         lines.append(f"| B4 kill idle replica + its agent → next cell done (n={len(b['times'])}) "
                      f"| median {b['median']:.2f} s (all: {', '.join(f'{t:.2f}' for t in b['times'])}) | — "
                      f"| {b['median']:.2f} s | ≤ 3 s | {'yes' if b['median'] <= 3 else '**no**'} |")
-    for part, where in (("B2", "GPU"), ("B3", "CPU")):
+    for part, where in (("B2", "GPU"), ("B3", "CPU"), ("B5", "CPU")):
         if f"{part}-setup-s" in results:
             aborts = results[f"{part}-setup-aborts"]
             lines += ["", f"{part} setup: the cell creating the 1 GiB `big` on the {where} kernel took "
@@ -280,7 +298,7 @@ def main(argv: list[str] | None = None) -> str:
         f".venv/bin/python -m bench.replicated_bench {' '.join(sorted(parts))}"
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpuhub-bench-") as tmp:
-        if parts & {"B1", "B2", "B3"}:
+        if parts & {"B1", "B2", "B3", "B5"}:
             km, plain = plain_kernel()
             try:
                 run_b1_b2_b3b(parts, Path(tmp), plain, results)

@@ -9,32 +9,35 @@ replica because the router forwards one message to all):
 1. every replica asks its own agent for the GPUs now (CPU kernels: always able) and proposes LEAD
    or YIELD; the log decides the executor (gpuhub/replication/election.py); losers give back
    their grant at once;
-2. the executor runs the cell and commits ``complete`` with the names it changed: small pickles
-   inline, large ones pushed to the other replicas first and named by digest (docs/architecture.md D4);
+2. the executor (having loaded every committed image first: :meth:`Replica.up_to_date`) runs the
+   cell and commits ``complete`` with the namespace image (gpuhub/kernel/image.py): a small
+   stream inline (sealed), large parts pushed to the other replicas first and named by digest
+   (docs/architecture.md D4); an unchanged namespace commits no image;
 3. the others wait for that entry (or an ``abort``, when the executor is lost, no GPU came in
-   time, or the user interrupted the wait), then load the changed names. The kernel replies only
-   then, so no replica starts cell n+1 before the delta of cell n is committed.
+   time, or the user interrupted the wait), then load the image. The kernel replies only then,
+   so no replica starts cell n+1 before the image of cell n is committed.
 
-**Large buffers without copies, and who may write them.** A CPU executor pickles a changed value
-with its large buffers out of band (gpuhub/replication/oob.py): one copy of each buffer into new
-memory the blob store keeps. Followers receive the blob straight into a memfd
-(``BlobStore(file_backed=True)``) and build the value on it: each buffer is mapped ``MAP_PRIVATE``
-from that file (:meth:`Replica._buffer_source`), so the value costs no copy and no
-``pickle.loads`` of a gigabyte, and the follower's Raft thread keeps getting the GIL. The rule
-that keeps this sound, *the bytes stored under a digest never change while stored*, holds because
+**Large buffers without copies, and who may write them.** An image's large buffers are blobs of
+their own. A CPU executor copies a buffer the store lacks into new memory the store keeps (one
+copy, hashed while it is made). Every replica receives blobs into memfds
+(``BlobStore(file_backed=True)``) and builds loaded values on them: each buffer is mapped
+``MAP_PRIVATE`` from its file (:meth:`Replica._buffer_for`), so a value costs no copy and no
+``pickle.loads`` of a gigabyte, and the Raft thread keeps getting the GIL. The rule that keeps
+this sound, *the bytes stored under a digest never change while stored*, holds because
 
 - the executor's store entry is its own copy, never the live value that a later in-process cell
   may write in place;
-- a follower's value shares the stored pages only until something writes them: a write (this
+- a loaded value shares the stored pages only until something writes them: a write (this
   replica becomes the executor of a CPU cell and runs ``big += 1``) copies that page into the
   process's private memory, the memfd keeps the old bytes, and peers or a replacement replica
   fetching that digest from here still get them (fetch re-hashes, so a violation would show);
 - memfds are never reused for another value (a private mapping of a reused file would see it);
-- where a layout sits in the store without a file (the executor's own copy, a store that is not
-  file-backed), loading copies the buffers (without the GIL) rather than aliasing them.
-
-GPU kernels' values still travel as in-band pickles: their cells run in a forked child whose delta
-comes back over a pipe (zero-copy there: not built).
+- memory of this process that already holds a digest's bytes (:attr:`Replica.resident`: the
+  buffers of the last image it captured or loaded) is reused for the next image only while
+  nothing can have written it (it is emptied when a cell starts in this process), and once per
+  image, so that two values never share memory they did not share on the executor;
+- where a blob sits in the store without a file (a store entry this process wrote itself),
+  loading copies it rather than aliasing it.
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ from gpuhub.replication.sealing import Sealer
 log = logging.getLogger("gpuhub.replica")
 
 INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
-MAX_MAPPED_BUFFERS = 1024  # per value loaded copy-on-write; further buffers are copied
 EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
 # the old copy is held until the new one is committed anyway)
 
@@ -361,9 +363,9 @@ class Replica:
         return won
 
     def _keep(self, d: str, data) -> None:
-        """Store a value this replica produced. A layout written into a buffer from
-        :meth:`alloc_copy` is adopted, so once dropped it can take the next copy (already mapped
-        memory instead of a fresh gigabyte of page faults)."""
+        """Store a blob this replica produced. A copy made into a buffer from the store's
+        :meth:`BlobStore.alloc` is adopted, so once dropped it can take the next copy (already
+        mapped memory instead of a fresh gigabyte of page faults)."""
         owner = data.obj if isinstance(data, memoryview) else data
         if type(owner) is bytearray:
             self.store.adopt(d, owner, memoryview(data).nbytes)

@@ -46,12 +46,12 @@ class TestPlainIPyKernelWelcome(jkt.IopubWelcomeTests):
 
 @pytest.fixture(scope="class")
 def replicated(request, tmp_path_factory):
-    """A replicated CPU kernel of three replicas through the dev harness (as test_replicated), as
-    the class's kernel client."""
+    """A replicated kernel of three replicas through the dev harness (as test_replicated), as the
+    class's kernel client: a CPU kernel, or a GPU kernel (fake GPUs) when the class says ``gpus``."""
     cluster = DevCluster(tmp_path_factory.mktemp("conformance"), nodes=3, gpus_per_node=1).start()
     kernel = None
     try:
-        kernel = DevKernel(cluster, gpus=0)
+        kernel = DevKernel(cluster, gpus=getattr(request.cls, "gpus", 0))
         request.cls.kernel = kernel
         request.cls.kc = kernel.kc
         yield kernel
@@ -73,12 +73,6 @@ class TestReplicatedKernel(IPythonSamples, jkt.KernelTests):
     def tearDownClass(cls) -> None:  # and stops it
         pass
 
-    # Not strict: the router forwards the first history_reply, a follower's or the executor's.
-    @pytest.mark.xfail(reason="follower replicas record no history yet (a kernel fix, not the "
-                              "router's); the router forwards whichever history_reply comes first")
-    def test_history(self) -> None:
-        super().test_history()
-
     def test_recv_iopub_welcome_msg(self) -> None:
         """IopubWelcomeTests's check, for a new client of the running router: its first iopub message."""
         kc = BlockingKernelClient()
@@ -90,3 +84,9 @@ class TestReplicatedKernel(IPythonSamples, jkt.KernelTests):
             assert msg["content"]["subscription"] == ""
         finally:
             kc.stop_channels()
+
+
+class TestReplicatedGpuKernel(TestReplicatedKernel):
+    """The same, for a GPU kernel: every cell runs in a forked child holding a (fake) GPU."""
+
+    gpus = 1

@@ -16,7 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from gpuhub.dev.cluster import DevCluster
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import run
-from tests.integration.test_replicated import ReplicatedKernel, executor_node, ok, take_the_gpu
+from tests.integration.test_replicated import ReplicatedKernel, executor_node, live_replicas, ok, take_the_gpu
 
 # A small model and an optimizer that holds references to the model's parameters, across cells:
 # the shape of `model = Net(); opt = SGD(model.parameters())` (numpy: CPU-only CI has no torch).
@@ -84,12 +84,6 @@ def executor_id(kernel) -> int:
     return next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
 
 
-def live(kernel) -> list[int]:
-    async def ask():
-        return kernel.router.live_replicas()
-    return kernel.loop.run(ask())
-
-
 def test_training_across_cells_gives_plain_ipykernels_losses(kernel, plain_losses):
     outs = [ok(kernel, code)["stdout"] for code in TRAINING]
     assert outs == plain_losses
@@ -120,7 +114,10 @@ def test_shared_objects_stay_shared(kernel):
 
 def test_output_history_and_prompts_match_ipykernel(kernel):
     msg_id = kernel.kc.execute("6 * 7")
-    reply = kernel.kc.get_shell_msg(timeout=30)["content"]
+    reply = kernel.kc.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:  # e.g. a late kernel_info_reply
+        reply = kernel.kc.get_shell_msg(timeout=30)
+    reply = reply["content"]
     results = []
     while True:
         msg = kernel.kc.get_iopub_msg(timeout=30)
@@ -152,12 +149,12 @@ def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
         behind = next(r for r in kernel.record["replicas"] if r["id"] != executor_id(kernel))
         os.kill(kernel.pid(behind["id"]), signal.SIGSTOP)
         try:
-            wait_for(lambda: behind["id"] not in live(kernel), 30, "the router to skip the stopped replica")
+            wait_for(lambda: behind["id"] not in live_replicas(kernel), 30, "the router to skip the stopped replica")
             for _ in range(5):
                 ok(kernel, "counter += 1", timeout=60)
         finally:
             os.kill(kernel.pid(behind["id"]), signal.SIGCONT)
-        wait_for(lambda: behind["id"] in live(kernel), 30, "the replica to answer the router again")
+        wait_for(lambda: behind["id"] in live_replicas(kernel), 30, "the replica to answer the router again")
         for agent in cluster.agents:  # only the replica that fell behind can get a GPU now
             if agent.name != behind["node"]:
                 take_the_gpu(agent, "hog-" + agent.name)

@@ -81,6 +81,13 @@ def ok(kernel, code, **kw):
     return out
 
 
+def live_replicas(kernel) -> list[int]:
+    """The replicas the kernel's router sends requests to now (asked on the router's loop)."""
+    async def ask():
+        return kernel.router.live_replicas()
+    return kernel.loop.run(ask())
+
+
 def assert_equal_namespaces(kernel, names, rids=(0, 1, 2)):
     views = {rid: kernel.namespace(rid, names) for rid in rids}
     first = views[rids[0]]
@@ -200,6 +207,8 @@ def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
         view = eventually(lambda: assert_equal_namespaces(cpu_kernel, ["x", "y", "big"]), 60,
                           "the restarted replica's namespace equal to the others'")
         assert view["x"].endswith("2") and view["y"].endswith("20") and view["big"].startswith("[3. 3. 3.")
+        # the router sends cells to a replica again once it answers its heartbeats
+        wait_for(lambda: idle in live_replicas(cpu_kernel), 30, "the router to count the replica live again")
         ok(cpu_kernel, "z = y + 1")
         assert_equal_namespaces(cpu_kernel, ["z"])
     finally:

@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 
 from gpuhub.kernel import dirty, hugepages
-from gpuhub.kernel.delta import namespace_delta
-from gpuhub.replication.digest import digest
 
 MIB = 1 << 20
 MODES = {"cow": {"forked": True, "soft_dirty": False}}
@@ -232,50 +230,6 @@ def test_soft_dirty_probe_matches_this_kernel():
     assert dirty._probe_soft_dirty() == dirty.SOFT_DIRTY
     if not dirty.SOFT_DIRTY:
         assert dirty.Tracker.arm({}, [], forked=False) is None
-
-
-def delta_in_child(ns, digests, cell, use_tracker):
-    def child():
-        before = {k: id(v) for k, v in ns.items()}
-        tracker = dirty.Tracker.arm(ns, [k for k in ns if k in digests], forked=True) if use_tracker else None
-        assert (tracker is not None) == use_tracker
-        cell(ns)
-        d = namespace_delta(ns, before, digests, set(), tracker=tracker)
-        # digests it computed travel with the delta (the commit does not hash again), and are right
-        assert set(d["digests"]) <= set(d["set"])
-        assert all(digest(d["set"][k]) == v for k, v in d["digests"].items())
-        return sorted(d["set"]), d["deleted"]
-    return in_child(child)
-
-
-@pytest.mark.parametrize("use_tracker", [True, False], ids=["tracked", "fallback"])
-def test_namespace_delta_sends_exactly_what_changed(use_tracker):
-    import cloudpickle
-
-    ns = {"big": big_array(), "kept": big_array(), "raw": bytearray(2 * MIB), "gone": big_array(2),
-          "items": [1, 2]}
-    digests = {k: digest(cloudpickle.dumps(v, protocol=5)) for k, v in ns.items()}
-
-    def cell(ns):
-        ns["big"][-1] += 1
-        ns["raw"][0] = 1
-        del ns["gone"]
-        ns["items"].append(3)
-        ns["new"] = 1
-
-    changed, deleted = delta_in_child(ns, digests, cell, use_tracker)
-    assert changed == ["big", "items", "new", "raw"]
-    assert deleted == ["gone"]
-
-
-def test_namespace_delta_tracks_only_names_the_group_has():
-    ns = {"big": big_array()}
-
-    def cell(ns):
-        pass
-
-    # no digest for "big": not armed over it, so it is pickled and sent as before
-    assert delta_in_child(ns, {}, cell, True) == (["big"], [])
 
 
 def test_torch_cpu_tensor(mode):

@@ -167,14 +167,3 @@ def test_executor_copies_are_anonymous_and_reused_received_values_get_a_fresh_fi
     received = store.alloc(2 * MIB)  # a value from a peer: never into an anonymous spare
     assert type(received) is not bytearray and store.spare_nbytes == 2 * MIB
     assert type(store.alloc(2 * MIB, anonymous=True)) is bytearray and store.spare_nbytes == 0
-
-
-def test_pickle_value_writes_into_a_larger_reused_buffer_and_hashes_what_it_wrote():
-    from gpuhub.kernel.delta import pickle_value
-
-    value = np.arange(MIB, dtype=np.uint8)
-    spare = bytearray(b"\xff" * (oob.dumps(value).nbytes + 100))
-    data, d = pickle_value(value, out_of_band=True, alloc=lambda n: spare)
-    assert isinstance(data, memoryview) and data.obj is spare
-    assert bytes(data) == oob.dumps(value).to_bytes() and d == digest(data)
-    assert np.array_equal(oob.loads(bytearray(data)), value)
