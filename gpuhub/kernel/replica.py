@@ -154,6 +154,7 @@ class Replica:
         # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
         self._image_key: tuple | None = None
         self._pending_key: tuple | None = None
+        self._referenced: set[str] = set()  # blobs of the images loaded or committed here
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -359,7 +360,7 @@ class Replica:
             self.loaded_version = self.state.image_version
             if image is not None:
                 self._image_key = self._pending_key
-            self.store.retain(self._blob_digests())  # older values are no one's any more
+            self._forget_old_blobs()
         return won
 
     def _keep(self, d: str, data) -> None:
@@ -434,10 +435,16 @@ class Replica:
                 hugepages.collapse_later(mv)
         return value
 
-    def _blob_digests(self) -> set[str]:
+    def _forget_old_blobs(self) -> None:
+        """Drop the blobs of images older than the committed one. Only those: a blob pushed for a
+        cell not committed yet (its executor pushes before it commits) may already be here, and
+        this replica will need it to load that cell's image."""
         with self.state.changed:
             current = self.state.image
-        return current.blob_digests() if current is not None else set()
+        keep = current.blob_digests() if current is not None else set()
+        self._referenced |= keep
+        self.store.discard(self._referenced - keep)
+        self._referenced = keep
 
     def up_to_date(self) -> bool:
         """This replica's namespace holds the last committed image."""
@@ -457,5 +464,5 @@ class Replica:
             return False
         images.install(ns, hidden, values)
         self.loaded_version = version
-        self.store.retain(entry.blob_digests())
+        self._forget_old_blobs()
         return True

@@ -153,15 +153,24 @@ class BlobStore:
     def retain(self, keep: set[str]) -> None:
         """Drop every blob whose digest is not in ``keep``."""
         with self._lock:
-            for d in [d for d in self._blobs if d not in keep]:
-                data = self._blobs.pop(d)
-                n = self._owned.pop(d, None)
-                if n is None:
-                    self._nbytes -= memoryview(data).nbytes
-                else:
-                    self._nbytes -= n
-                    self._spare(data, 3)  # our variable, _spare's, getrefcount's
-                del data
+            self._drop([d for d in self._blobs if d not in keep])
+
+    def discard(self, gone: set[str]) -> None:
+        """Drop exactly these blobs (others, e.g. ones that arrived meanwhile, stay)."""
+        with self._lock:
+            self._drop([d for d in gone if d in self._blobs])
+
+    def _drop(self, digests: list[str]) -> None:
+        """Call with the lock held."""
+        for d in digests:
+            data = self._blobs.pop(d)
+            n = self._owned.pop(d, None)
+            if n is None:
+                self._nbytes -= memoryview(data).nbytes
+            else:
+                self._nbytes -= n
+                self._spare(data, 3)  # our variable, _spare's, getrefcount's
+            del data
 
     def digests(self) -> set[str]:
         with self._lock:
