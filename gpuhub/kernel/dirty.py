@@ -28,7 +28,8 @@ it as before" (a false "changed" costs time, a false "unchanged" silently loses 
 2. every page of the buffer's bytes lies in a private anonymous mapping (a shared mapping can be
    written by another process, or through another mapping, without touching our bits), and is
    present or swapped out (a page dropped by ``madvise`` or never touched reads as zeros: not
-   trusted);
+   trusted); with copy-on-write, present (a swap entry never has the exclusive bit, so a page the
+   child wrote and the kernel swapped out would read as unwritten);
 3. no page has a set bit among the armed signals (soft-dirty if it works here; exclusive if the
    tracker was armed in a freshly forked child) — except that the first and last page, which the
    buffer may share with other data (malloc's headers, heap neighbours), may have one if the
@@ -125,7 +126,8 @@ _PRESENT = 0x80  # bit 63, in byte 7
 # For bytes.translate(None, delete): the byte values that are fine; whatever is left is not.
 _CLEAN_SD = bytes(b for b in range(256) if not b & _SOFT_DIRTY)
 _RESIDENT = bytes(b for b in range(256) if b & (_PRESENT | _SWAPPED))
-_RESIDENT_SHARED = bytes(b for b in range(256) if b & (_PRESENT | _SWAPPED) and not b & _EXCLUSIVE)
+# copy-on-write: present only, a swap entry never has the exclusive bit (written or not)
+_PRESENT_SHARED = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
 
 
 def _entries(first_page: int, npages: int, fd: int | None = None) -> bytes:
@@ -483,7 +485,7 @@ class Tracker:
     def _clean(self, lo: int, hi: int) -> tuple[bool | None, bool]:
         """(first page clean, last page clean); (None, False) when a page between them is not."""
         first, last = _page_of(lo), _page_of(hi - 1)
-        keep = _RESIDENT_SHARED if self.cow else _RESIDENT
+        keep = _PRESENT_SHARED if self.cow else _RESIDENT
         first_clean = last_clean = True
         fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
         try:
