@@ -70,9 +70,12 @@ is involved: the question is only whether these bytes changed. The rules, in add
    here with its copy-on-write state. So the first 8 bytes of every page are kept at arm (8 bytes
    per 4 KiB), and for a page whose first word was zero, a non-zero word and its value (or that
    the page was all zeros): they must read the same. A page not present when armed read as zeros;
-   it may be absent still, or present and still all zeros. Pages swapped out (at arm or after) are
-   not trusted (a swap entry has no exclusive bit), nor pages of a ``"file"`` kind in anonymous
-   memory (bit 61: the huge zero page).
+   it may be absent still, or present and still all zeros. For the zero page (4 KiB, or the huge
+   zero page, which reads as a file page) this is a proof; for a page moved by ``mremap`` it is
+   not (a moved page of the same first word, or non-zero word, passes), a residual risk of
+   copy-on-write only (soft-dirty marks moved pages written). A realloc that moves a buffer grows
+   it, and the grown part is new pages. Pages swapped out (at arm or after) are not trusted (a swap
+   entry has no exclusive bit).
 7. *KSM.* A page merged by KSM is shared (bit 56 clear) and may be the zero page, whatever was
    written to it: no answer for anonymous memory while KSM holds merged pages of this process
    (``/proc/self/ksm_stat``; where the kernel does not say, of any process).
@@ -525,8 +528,9 @@ _WORDS = PAGE // 8  # 8-byte words per page
 _Z8 = bytes(8)
 
 # byte 7 of an entry that is fine for an interior page of a range (see BufferTracker's rules)
-_OK_ANON = bytes(b for b in range(256) if b & _PRESENT and not b & _FILE)
-_OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & (_FILE | _EXCLUSIVE))
+# (bit 61 in anonymous memory: the huge zero page, which rule 6 tells from the armed page)
+_OK_ANON = bytes(b for b in range(256) if b & _PRESENT)
+_OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
 _OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
 _PRESENT_01 = bytes(1 if b & _PRESENT else 0 for b in range(256))  # for bytes.translate
 _NOT_SWAPPED = bytes(b for b in range(256) if not b & _SWAPPED)
