@@ -282,7 +282,8 @@ def test_property_in_process(plan):
     STATS["in-process"][0] += hits
     STATS["in-process"][1] += untouched
     assert dirty.live_sentinel() is None
-    assert hits == untouched  # nothing written on their pages: every untouched buffer is answered
+    if not dirty._ksm_merged():  # KSM merging here: anonymous memory is never answered (rule 7)
+        assert hits == untouched  # nothing written on their pages: every untouched buffer is answered
 
 
 @settings(max_examples=60, **SETTINGS)
@@ -292,7 +293,8 @@ def test_property_forked_child(plan):
     hits, untouched = in_child(lambda: run_plan(plan, bufs, lambda k: dirty.BufferTracker.arm(k, mode="forked-child")))
     STATS["forked-child"][0] += hits
     STATS["forked-child"][1] += untouched
-    assert hits == untouched
+    if not dirty._ksm_merged():
+        assert hits == untouched
 
 
 def test_property_hit_rates():
