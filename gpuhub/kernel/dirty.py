@@ -57,9 +57,12 @@ is involved: the question is only whether these bytes changed. The rules, in add
    ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else a **sentinel**, a
    dormant child forked at arm (:class:`_Sentinel`): while it lives, every private anonymous page
    of the kernel is shared with it, so a page the kernel writes afterwards is copied and exclusive.
-   The child runs no code of ours but two system calls (it blocks reading a pipe, all signals
-   blocked, every other descriptor closed, then ``os._exit``): the kernel is multi-threaded and a
-   lock another thread held at the fork stays held in the child. It ends at the next arm or at
+   The child runs no code of ours but system calls (it closes every other descriptor and blocks
+   reading a pipe, all signals blocked, then ``os._exit``): the kernel is multi-threaded and a
+   lock another thread held at the fork stays held in the child. ``os.fork`` itself still runs
+   CPython's after-fork reinitialisation and the registered ``after_in_child`` hooks (threading,
+   logging, random, ours) in the child, as every fork from the kernel does; should one of them
+   hang, the child still ends, killed by :meth:`_Sentinel.end`. It ends at the next arm or at
    :meth:`BufferTracker.close` (killed through a pidfd and reaped), or when the kernel dies (end of
    file on the pipe). Rule 4 holds with one exemption: the sentinel, and any child that was
    already alive at arm (it was forked before, so shares no page written since), do not void the
