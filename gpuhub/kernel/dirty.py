@@ -28,7 +28,8 @@ it as before" (a false "changed" costs time, a false "unchanged" silently loses 
 2. every page of the buffer's bytes lies in a private anonymous mapping (a shared mapping can be
    written by another process, or through another mapping, without touching our bits), and is
    present or swapped out (a page dropped by ``madvise`` or never touched reads as zeros: not
-   trusted);
+   trusted); with copy-on-write, present (a swap entry never has the exclusive bit, so a page the
+   child wrote and the kernel swapped out would read as unwritten);
 3. no page has a set bit among the armed signals (soft-dirty if it works here; exclusive if the
    tracker was armed in a freshly forked child) — except that the first and last page, which the
    buffer may share with other data (malloc's headers, heap neighbours), may have one if the
@@ -43,6 +44,60 @@ it as before" (a false "changed" costs time, a false "unchanged" silently loses 
 Writes by devices (DMA into pinned pages) set neither bit: pinning for write breaks copy-on-write
 (so the page is exclusive, i.e. "written"), and CUDA's own pinned allocations are shared device
 mappings, which rule 2 excludes.
+
+**Buffers** (:class:`BufferTracker`). The namespace is pickled as one object graph with protocol
+5, every large buffer out of band and named by its content digest; the pickler finds buffers
+anywhere inside values (DataFrame blocks, module parameters, arrays in dicts). ``arm(known, mode=)``
+takes (address, nbytes, digest) of buffers whose digest is known now; afterwards
+``digest_if_unchanged(address, nbytes)`` returns that digest only when the *same range* was armed
+and its bytes provably did not change, else None (the caller hashes). No object identity or layout
+is involved: the question is only whether these bytes changed. The rules, in addition to 2 and 3:
+
+5. *Signals by mode.* ``"forked-child"``: copy-on-write as above (plus soft-dirty where it works).
+   ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else a **sentinel**, a
+   dormant child forked at arm (:class:`_Sentinel`): while it lives, every private anonymous page
+   of the kernel is shared with it, so a page the kernel writes afterwards is copied and exclusive.
+   The child runs no code of ours but system calls (it closes every other descriptor and blocks
+   reading a pipe, all signals blocked, then ``os._exit``): the kernel is multi-threaded and a
+   lock another thread held at the fork stays held in the child. ``os.fork`` itself still runs
+   CPython's after-fork reinitialisation and the registered ``after_in_child`` hooks (threading,
+   logging, random, ours) in the child, as every fork from the kernel does; should one of them
+   hang, the child still ends, killed by :meth:`_Sentinel.end`. It ends at the next arm or at
+   :meth:`BufferTracker.close` (killed through a pidfd and reaped), or when the kernel dies (end of
+   file on the pipe). Rule 4 holds with one exemption: the sentinel, and any child that was
+   already alive at arm (it was forked before, so shares no page written since), do not void the
+   answer; Python-level forks since arm, or a new live child running this interpreter, do.
+6. *Every interior page must still be the armed page.* A page present and not seen written may
+   still be another page than the armed one: the zero page (``MADV_DONTNEED`` or a new mapping at
+   the same place, then a read: neither bit is set by a read fault) or a page that ``mremap`` moved
+   here with its copy-on-write state. So the first 8 bytes of every page are kept at arm (8 bytes
+   per 4 KiB), and for a page whose first word was zero, a non-zero word and its value (or that
+   the page was all zeros): they must read the same. A page not present when armed read as zeros;
+   it may be absent still, or present and still all zeros. For the zero page (4 KiB, or the huge
+   zero page, which reads as a file page) this is a proof; for a page moved by ``mremap`` it is
+   not (a moved page of the same first word, or non-zero word, passes), a residual risk of
+   copy-on-write only (soft-dirty marks moved pages written). A realloc that moves a buffer grows
+   it, and the grown part is new pages. Pages swapped out (at arm or after) are not trusted (a swap
+   entry has no exclusive bit).
+7. *KSM.* A page merged by KSM is shared (bit 56 clear) and may be the zero page, whatever was
+   written to it: no answer for anonymous memory while KSM holds merged pages of this process
+   (``/proc/self/ksm_stat``; where the kernel does not say, of any process).
+8. *Private mappings of blob store files* (followers map large values copy-on-write from a memfd,
+   ``BlobStore.map_private``). A page still backed by the file (bit 61 set) was never written
+   since the mapping; a written page becomes anonymous (bit 61 clear). The store writes such a
+   file once, before storing it, and never reuses it (gpuhub/replication/blobstore.py), so a page
+   that is **not present** reads the file too: it is as safe as a file page (a written page that
+   ``MADV_DONTNEED`` dropped reads the file again: still the file's bytes). So a range in one
+   private mapping of a file named :data:`BLOB_FILE` whose pages were all file pages or absent
+   when armed held the file's bytes then, and holds them still when they still are, provided the
+   same file is mapped at the same offset (device, inode and address minus offset, from
+   ``/proc/self/maps``, must be the same). Needs no signal, no sentinel and no soft-dirty; a range
+   with a page written before arming is not tracked. (User code that names its own memfd
+   ``gpuhub-blob`` and writes it through another mapping defeats this rule.)
+
+The bytes of a range on its partial first and last page (shared with other data) are compared with
+a copy taken at arm, whatever the bits say. Every arm voids the trackers armed before it in the
+process (clearing soft-dirty bits, or a new sentinel, would hide their writes).
 """
 
 from __future__ import annotations
@@ -52,7 +107,10 @@ import ctypes
 import logging
 import mmap
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 log = logging.getLogger("gpuhub.dirty")
@@ -67,13 +125,15 @@ _READ_PAGES = 1 << 16  # pagemap entries per read (512 KiB)
 # Byte 6 of a little-endian pagemap entry holds bit 55, byte 7 bits 56..63.
 _SOFT_DIRTY = 0x80  # bit 55, in byte 6
 _EXCLUSIVE = 0x01  # bit 56, in byte 7
+_FILE = 0x20  # bit 61, in byte 7: a page of a file (page cache) or shared anonymous memory
 _SWAPPED = 0x40  # bit 62, in byte 7
 _PRESENT = 0x80  # bit 63, in byte 7
 
 # For bytes.translate(None, delete): the byte values that are fine; whatever is left is not.
 _CLEAN_SD = bytes(b for b in range(256) if not b & _SOFT_DIRTY)
 _RESIDENT = bytes(b for b in range(256) if b & (_PRESENT | _SWAPPED))
-_RESIDENT_SHARED = bytes(b for b in range(256) if b & (_PRESENT | _SWAPPED) and not b & _EXCLUSIVE)
+# copy-on-write: present only, a swap entry never has the exclusive bit (written or not)
+_PRESENT_SHARED = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
 
 
 def _entries(first_page: int, npages: int, fd: int | None = None) -> bytes:
@@ -175,6 +235,12 @@ def _cow_works() -> bool:
 
 def _same_exe_children() -> bool:
     """Whether a live child process still runs this interpreter (it may share our pages)."""
+    children = _exe_children()
+    return children is None or bool(children)
+
+
+def _exe_children() -> set[tuple[int, str]] | None:
+    """The live children that still run this interpreter, as (pid, start time); None: cannot tell."""
     try:
         exe = os.readlink("/proc/self/exe")
         pids = []
@@ -182,14 +248,43 @@ def _same_exe_children() -> bool:
             with open(f"/proc/self/task/{tid}/children") as f:
                 pids += f.read().split()
     except OSError:
-        return True  # cannot tell: assume the worst
+        return None
+    found = set()
     for pid in pids:
         try:
             if os.readlink(f"/proc/{pid}/exe") == exe:
-                return True
-        except OSError:
+                with open(f"/proc/{pid}/stat") as f:
+                    found.add((int(pid), f.read().rsplit(")", 1)[-1].split()[19]))  # field 22
+        except (OSError, IndexError):
             continue  # gone, or a zombie: holds no memory
-    return False
+    return found
+
+
+def _ksm_merged() -> bool:
+    """Whether KSM may hold merged pages of this process (a merged page is shared, a zero-filled one
+    may be the zero page: neither reads as written). Per process where the kernel says (6.10+: both
+    counts in /proc/self/ksm_stat), else system-wide; no KSM in the kernel: False."""
+    try:
+        with open("/proc/self/ksm_stat") as f:
+            stat = dict(line.split(maxsplit=1) for line in f.read().splitlines() if " " in line)
+        if "ksm_merging_pages" in stat and "ksm_zero_pages" in stat:
+            return int(stat["ksm_merging_pages"]) != 0 or int(stat["ksm_zero_pages"]) != 0
+    except (OSError, ValueError):
+        pass
+    counts = ("pages_shared", "pages_sharing", "ksm_zero_pages", "zero_pages_sharing")
+    if not os.path.isdir("/sys/kernel/mm/ksm"):
+        return False
+    try:
+        total = 0
+        for name in counts:
+            try:
+                with open(f"/sys/kernel/mm/ksm/{name}") as f:
+                    total += int(f.read())
+            except FileNotFoundError:
+                continue
+        return total != 0
+    except (OSError, ValueError):
+        return True
 
 
 # --- what is tracked -------------------------------------------------------------------------------
@@ -248,12 +343,22 @@ def _torch_strided():
 
 
 # --- mappings -------------------------------------------------------------------------------------
+BLOB_FILE = "/memfd:gpuhub-blob"
+"""How /proc/self/maps names the blob store's memfds (gpuhub/replication/blobstore.py, ``_FileBuffer``):
+files written once, before they are stored, and never again (rule 6 below)."""
+_ANON = "anon"
+
+
 class _Maps:
-    """/proc/self/maps as sorted ranges, each marked private-anonymous or not."""
+    """/proc/self/maps as sorted ranges, each marked private-anonymous or not, and with its kind for
+    :class:`BufferTracker`: ``"anon"`` (readable, private, anonymous), ``("file", dev, inode, start -
+    offset)`` (readable private mapping of a blob store file: the key names the file and where it is
+    mapped) or None (anything else: shared, another file, unreadable)."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.ranges: list[tuple[int, int, bool]] = []
+        self.kinds: list[object] = []
         with open("/proc/self/maps", "rb") as f:
             text = f.read().decode("utf-8", "replace")  # at once: reading /proc by lines is slow
         for line in text.splitlines():
@@ -261,10 +366,18 @@ class _Maps:
             if len(parts) >= 5:
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 path = parts[5].strip() if len(parts) > 5 else ""
-                private_anon = (parts[1][3] == "p" and parts[4] == "0"
+                perms = parts[1]
+                private_anon = (perms[3] == "p" and parts[4] == "0"
                                 and (path == "" or path == "[heap]" or path.startswith("[anon:")))
+                kind = None
+                if perms[0] == "r" and perms[3] == "p":
+                    if private_anon:
+                        kind = _ANON
+                    elif path.removesuffix(" (deleted)") == BLOB_FILE:
+                        kind = ("file", parts[3], int(parts[4]), start - int(parts[2], 16))
                 self.starts.append(start)
                 self.ranges.append((start, end, private_anon))
+                self.kinds.append(kind)
 
     def private_anonymous(self, lo: int, hi: int) -> bool:
         """Whether [lo, hi) is covered by contiguous private anonymous mappings."""
@@ -279,6 +392,20 @@ class _Maps:
             pos = end
             i += 1
         return True
+
+    def kind(self, lo: int, hi: int) -> object:
+        """The one kind of the mappings that cover [lo, hi) without a gap, or None."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        pos, kind = lo, None
+        while pos < hi:
+            if i < 0 or i >= len(self.ranges):
+                return None
+            start, end, _ = self.ranges[i]
+            if not start <= pos < end or self.kinds[i] is None or (pos > lo and self.kinds[i] != kind):
+                return None
+            kind, pos = self.kinds[i], end
+            i += 1
+        return kind
 
 
 # --- the tracker ------------------------------------------------------------------------------------
@@ -311,6 +438,8 @@ class Tracker:
         if not (sd or cow):
             return None
         if sd:
+            global _generation
+            _generation += 1  # clearing the bits hides earlier writes from every BufferTracker
             try:
                 clear_soft_dirty()  # first: a write after this is seen, the snapshot below only reads
             except OSError:
@@ -362,7 +491,7 @@ class Tracker:
     def _clean(self, lo: int, hi: int) -> tuple[bool | None, bool]:
         """(first page clean, last page clean); (None, False) when a page between them is not."""
         first, last = _page_of(lo), _page_of(hi - 1)
-        keep = _RESIDENT_SHARED if self.cow else _RESIDENT
+        keep = _PRESENT_SHARED if self.cow else _RESIDENT
         first_clean = last_clean = True
         fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -394,3 +523,335 @@ def _edges(lo: int, hi: int) -> tuple[bytes, bytes]:
     first_end = min(hi, (_page_of(lo) + 1) * PAGE)
     last_start = max(lo, _page_of(hi - 1) * PAGE)
     return ctypes.string_at(lo, first_end - lo), ctypes.string_at(last_start, hi - last_start)
+
+
+# --- buffer-level tracking -------------------------------------------------------------------------
+MODES = ("forked-child", "in-process")
+_WORDS = PAGE // 8  # 8-byte words per page
+_Z8 = bytes(8)
+
+# byte 7 of an entry that is fine for an interior page of a range (see BufferTracker's rules)
+# (bit 61 in anonymous memory: the huge zero page, which rule 6 tells from the armed page)
+_OK_ANON = bytes(b for b in range(256) if b & _PRESENT)
+_OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
+_OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
+_PRESENT_01 = bytes(1 if b & _PRESENT else 0 for b in range(256))  # for bytes.translate
+_NOT_SWAPPED = bytes(b for b in range(256) if not b & _SWAPPED)
+
+_generation = 0  # every arm in this process adds one: it voids every tracker armed before
+_sentinel: _Sentinel | None = None  # the in-process sentinel, if one lives
+_arm_lock = threading.Lock()
+
+_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_from_memory.restype = ctypes.py_object
+_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+
+
+def _view(addr: int, n: int) -> memoryview:
+    """A read-only memoryview of ``n`` bytes at ``addr`` (no copy)."""
+    return _from_memory(addr, n, 0x100)  # PyBUF_READ
+
+
+def _zero_words(data: bytes) -> list[int]:
+    """Indices of the 8-byte words of ``data`` that are zero."""
+    out, i = [], data.find(_Z8)
+    while i >= 0:
+        if i % 8:
+            i = data.find(_Z8, i - i % 8 + 8)
+            continue
+        out.append(i // 8)
+        i = data.find(_Z8, i + 8)
+    return out
+
+
+def _first_words(page: int, count: int) -> bytes:
+    """The first 8 bytes of each of ``count`` pages from page number ``page``."""
+    return _view(page * PAGE, count * PAGE).cast("Q")[::_WORDS].tobytes()
+
+
+def _witness(page: int) -> int:
+    """Index of a non-zero 8-byte word of the page, or -1 when the page is all zeros."""
+    rest = _view(page * PAGE, PAGE).tobytes().lstrip(b"\0")
+    return (PAGE - len(rest)) // 8 if rest else -1
+
+
+class _Sentinel:
+    """A dormant child forked by an in-process tracker: while it lives, every private page the
+    kernel had is shared with it, so a page the kernel writes afterwards is copied and becomes
+    exclusive (bit 56). The child blocks reading a pipe and exits when it reads end of file; it
+    starts with every signal blocked (a signal for the process group runs no handler of ours in it,
+    and writes nothing to the kernel's wakeup fd) and closes every other file descriptor.
+    :meth:`end` closes the pipe, kills and reaps it; if the kernel dies, the pipe closes too."""
+
+    def __init__(self) -> None:
+        r, w = os.pipe()  # O_CLOEXEC
+        try:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            try:
+                pid = os.fork()
+                if pid == 0:  # the child: system calls only, no lock that another thread may hold
+                    try:
+                        os.closerange(0, r)
+                        os.closerange(r + 1, _max_fd())
+                        os.read(r, 1)
+                    finally:
+                        os._exit(0)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self.pid, self._w = pid, w
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._pidfd = None
+
+    def end(self) -> None:
+        if self._w < 0:
+            return
+        os.close(self._w)
+        self._w = -1
+        pidfd, self._pidfd = self._pidfd, None
+        try:
+            if pidfd is not None:  # immune to the pid being reaped elsewhere and reused
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # reaped by someone else (a SIGCHLD handler)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+
+def _max_fd() -> int:
+    try:
+        return max(os.sysconf("SC_OPEN_MAX"), 3)
+    except (OSError, ValueError):
+        return 1 << 16
+
+
+def live_sentinel() -> int | None:
+    """The pid of this process's sentinel, if one lives (for tests and diagnostics)."""
+    s = _sentinel
+    return s.pid if s is not None and s._w >= 0 else None
+
+
+@dataclass(frozen=True)
+class _Armed:
+    digest: str | None  # None: the range was given twice with different digests
+    kind: object  # _ANON, or the file key of _Maps
+    page: int  # page number of the first page wholly inside the range
+    count: int  # pages wholly inside the range
+    edges: tuple[bytes, bytes]  # the range's bytes before and after those pages, when armed
+    absent: frozenset[int]  # anon: pages (index from ``page``) not present when armed: zeros
+    firsts: bytes  # anon: the first 8 bytes of each page when armed (zeros where absent)
+    zero_first: dict[int, tuple[int, int]]  # anon: present pages whose first word was 0 ->
+    # (index of a non-zero word, its value) then, or (-1, 0) when the page was all zeros
+
+
+class BufferTracker:
+    """Which buffers (address ranges) still hold the bytes they had when armed, so that their
+    content digest is still valid. See the module docstring, rules 5-8."""
+
+    def __init__(self, mode: str, generation: int, armed: dict[tuple[int, int], _Armed],
+                 soft_dirty: bool, cow: bool, sentinel: _Sentinel | None) -> None:
+        self.mode = mode
+        self.generation = generation
+        self.armed = armed
+        self.soft_dirty = soft_dirty
+        self.cow = cow
+        self.sentinel = sentinel
+        self.forks = _forks
+        self.children = _exe_children() if cow else None
+        self.closed = False
+
+    @classmethod
+    def arm(cls, known: Iterable[tuple[int, int, str]], *, mode: str) -> BufferTracker:
+        """Start tracking the buffers ``known``: (address, nbytes, digest of those bytes now).
+
+        ``mode``: ``"forked-child"`` (this process was forked just now, e.g. a GPU cell's child:
+        copy-on-write bits) or ``"in-process"`` (the long-lived kernel: soft-dirty bits where they
+        work, else a sentinel child, see :class:`_Sentinel`). Arming voids every tracker armed
+        before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
+        :meth:`digest_if_unchanged` then answers None for it."""
+        global _generation, _sentinel
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        digests: dict[tuple[int, int], str | None] = {}
+        for address, nbytes, d in known:
+            key = (int(address), int(nbytes))
+            digests[key] = d if digests.get(key, d) == d else None
+        with _arm_lock:
+            _generation += 1
+            generation = _generation
+            old, _sentinel = _sentinel, None
+            if old is not None:
+                old.end()
+            maps = _Maps()
+            kinds = {k: maps.kind(k[0], k[0] + k[1]) if k[1] > 0 else None for k in digests}
+            sd = cow = False
+            sentinel = None
+            if _ANON in kinds.values():
+                sd = SOFT_DIRTY
+                if sd:
+                    try:
+                        clear_soft_dirty()  # first: a write after this is seen; the rest only reads
+                    except OSError:
+                        sd = False
+                if mode == "forked-child":
+                    cow = _cow_works()
+                elif not sd:
+                    try:
+                        sentinel = _sentinel = _Sentinel()
+                    except OSError as exc:
+                        log.debug("no sentinel: %s", exc)
+                    cow = sentinel is not None and _cow_works()
+            armed = {}
+            fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for key, d in digests.items():
+                    kind = kinds[key]
+                    if kind is None or (kind is _ANON and not (sd or cow)):
+                        continue
+                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd)
+                    if a is not None:
+                        armed[key] = a
+            finally:
+                os.close(fd)
+            return cls(mode, generation, armed, sd, cow, sentinel)
+
+    def __len__(self) -> int:
+        return len(self.armed)
+
+    def __enter__(self) -> BufferTracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def digest_if_unchanged(self, address: int, nbytes: int) -> str | None:
+        """The digest given at arm for exactly this range, when its bytes provably did not change
+        since; None when that is not known (the caller hashes the bytes)."""
+        a = self.armed.get((address, nbytes))
+        if a is None or a.digest is None or self.closed or self.generation != _generation:
+            return None
+        try:
+            if _Maps().kind(address, address + nbytes) != a.kind:
+                return None  # unmapped, mapped again (another file, or shared), made unreadable
+            if a.kind is _ANON:
+                if self.cow and self._forked():
+                    return None
+                if not self._anon_clean(a) or _ksm_merged():
+                    return None
+            elif not _file_clean(a):
+                return None
+            if _edges_of(address, address + nbytes, a.page, a.count) != a.edges:
+                return None
+        except OSError as exc:
+            log.debug("dirty tracking of %#x+%d failed: %s", address, nbytes, exc)
+            return None
+        return a.digest
+
+    def close(self) -> None:
+        """End this tracker (and its sentinel, if it still lives); it answers None from now on."""
+        global _sentinel
+        self.closed = True
+        with _arm_lock:
+            if self.sentinel is not None:
+                if _sentinel is self.sentinel:
+                    _sentinel = None
+                self.sentinel.end()
+
+    def _forked(self) -> bool:
+        """Whether the copy-on-write answer is void: this process forked since arm (in Python), or a
+        live child running this interpreter was not there when armed (the sentinel was)."""
+        if _forks != self.forks:
+            return True
+        now = _exe_children()
+        return now is None or self.children is None or not now <= self.children
+
+    def _anon_clean(self, a: _Armed) -> bool:
+        if not a.count:
+            return True
+        entries = _entries(a.page, a.count)
+        flags = entries[7::8]
+        ok = _OK_ANON_COW if self.cow else _OK_ANON
+        # a page not present when armed (zeros) may be absent still: an entry with no flag
+        if flags.translate(None, ok) and any(f not in ok and (f or i not in a.absent)
+                                             for i, f in enumerate(flags)):
+            return False
+        if (self.soft_dirty and entries[6::8].translate(None, _CLEAN_SD)
+                and any(sd & _SOFT_DIRTY and f & _PRESENT
+                        for sd, f in zip(entries[6::8], flags, strict=True))):
+            return False
+        # A present page with no write seen may still be another page than the armed one: the zero
+        # page (after MADV_DONTNEED, or a new mapping at the same place, then a read), or a page
+        # moved here by mremap. Its first word (or the non-zero word it had) must be as armed.
+        runs = _present_runs(flags)
+        for i, j in runs:
+            if _first_words(a.page + i, j - i) != a.firsts[8 * i:8 * j]:
+                return False
+        for i, (w, value) in a.zero_first.items():
+            if w >= 0 and ctypes.c_uint64.from_address((a.page + i) * PAGE + 8 * w).value != value:
+                return False
+        # absent when armed, here now: must still be all zeros
+        return not any(flags[i] & _PRESENT and _witness(a.page + i) >= 0 for i in a.absent)
+
+
+def _file_clean(a: _Armed) -> bool:
+    """Every page still reads the (never changed) file: a file page, or not present at all."""
+    return not a.count or not _entries(a.page, a.count)[7::8].translate(None, _OK_FILE)
+
+
+def _edges_of(lo: int, hi: int, page: int, count: int) -> tuple[bytes, bytes]:
+    """The bytes of [lo, hi) before and after its ``count`` whole pages from ``page``."""
+    if not count:
+        return ctypes.string_at(lo, hi - lo), b""
+    start, end = page * PAGE, (page + count) * PAGE
+    return ctypes.string_at(lo, start - lo), ctypes.string_at(end, hi - end)
+
+
+def _present_runs(flags: bytes) -> list[tuple[int, int]]:
+    """[i, j) runs of the pages whose pagemap byte 7 says present."""
+    present, runs, i = flags.translate(_PRESENT_01), [], 0
+    while (i := present.find(1, i)) >= 0:
+        j = present.find(0, i)
+        j = len(present) if j < 0 else j
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int) -> _Armed | None:
+    page, end = -(-lo // PAGE), hi // PAGE
+    count = max(0, end - page)
+    if not count:
+        page = 0
+    entries = _entries(page, count, fd) if count else b""
+    flags = entries[7::8]
+    firsts = bytearray(8 * count)
+    absent: set[int] = set()
+    zero_first: dict[int, tuple[int, int]] = {}
+    if kind is _ANON:
+        if flags.translate(None, _NOT_SWAPPED):
+            return None  # swapped out: its content is not known without reading it back in
+        runs = _present_runs(flags)
+        absent = set(range(count))
+        for i, j in runs:  # absent pages are not read (they read as zeros)
+            absent.difference_update(range(i, j))
+            words = _first_words(page + i, j - i)
+            firsts[8 * i:8 * j] = words
+            for z in _zero_words(words):
+                w = _witness(page + i + z)
+                zero_first[i + z] = (w, ctypes.c_uint64.from_address((page + i + z) * PAGE + 8 * w).value
+                                     if w >= 0 else 0)
+    elif flags.translate(None, _OK_FILE):
+        return None  # a page was written before arming: the bytes are not the file's
+    return _Armed(d, kind, page, count, _edges_of(lo, hi, page, count), frozenset(absent),
+                  bytes(firsts), zero_first)

@@ -1,0 +1,304 @@
+"""dirty.BufferTracker where it forks: the in-process sentinel, forks voiding copy-on-write answers,
+the forked-child mode; property tests over random arrays and writes (a wrong digest loses data).
+
+Every in-process arm on a kernel without soft-dirty (this VM) forks a sentinel child, so these tests
+live here rather than in tests/unit (no process there)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuhub.kernel import dirty
+from tests.unit.test_dirty import in_child
+
+MIB = 1 << 20
+PAGE = dirty.PAGE
+MADV_DONTNEED = 4
+
+
+def known(arrays: dict) -> list[tuple[int, int, str]]:
+    """(address, nbytes, name) of contiguous arrays, as the pickler's buffer_callback finds them."""
+    return [(a.ctypes.data, a.nbytes, name) for name, a in arrays.items()]
+
+
+def answers(tracker, arrays: dict) -> dict:
+    return {name: tracker.digest_if_unchanged(a.ctypes.data, a.nbytes) for name, a in arrays.items()}
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")  # a zombie still has one: gone means reaped
+
+
+def madvise(addr: int, n: int, advice: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.madvise(addr, n, advice) == 0, ctypes.get_errno()
+
+
+@pytest.fixture
+def in_process():
+    """Arm in-process; every tracker is closed after the test (no sentinel left behind)."""
+    trackers = []
+
+    def arm(arrays: dict):
+        t = dirty.BufferTracker.arm(known(arrays), mode="in-process")
+        trackers.append(t)
+        return t
+
+    yield arm
+    for t in trackers:
+        t.close()
+    assert dirty.live_sentinel() is None
+
+
+def test_sentinel_lives_until_the_next_arm_or_close_and_is_reaped(in_process):
+    if dirty.SOFT_DIRTY:
+        pytest.skip("soft-dirty works here: no sentinel")
+    a = {"a": np.arange(MIB, dtype=np.float64)}
+    first = in_process(a)
+    pid = dirty.live_sentinel()
+    assert pid is not None and first.cow and alive(pid)
+    assert answers(first, a) == {"a": "a"}  # the sentinel is a live child running python: exempt
+    second = in_process(a)
+    assert not alive(pid), "the previous sentinel is reaped at the next arm"
+    assert answers(first, a) == {"a": None}  # voided by the new arm
+    pid2 = dirty.live_sentinel()
+    second.close()
+    second.close()
+    assert dirty.live_sentinel() is None and not alive(pid2)
+    assert answers(second, a) == {"a": None}
+
+
+def test_writes_reads_and_neighbours(in_process):
+    base = np.arange(16 * MIB // 8, dtype=np.float64)
+    arrays = {"w": np.arange(2 * MIB), "r": np.arange(2 * MIB), "edge": np.arange(2 * MIB),
+              "head": base[:base.size // 2], "tail": base[base.size // 2:], "base": base,
+              "ba": np.frombuffer(bytearray(os.urandom(4 * MIB)), np.uint8)}
+    tracker = in_process(arrays)
+    arrays["w"][12345] = -1
+    assert arrays["r"].sum() > 0
+    arrays["edge"][-1] += 1  # the last byte: on the partial last page
+    arrays["tail"][-2] = 0.5
+    assert answers(tracker, arrays) == {"w": None, "r": "r", "edge": None, "head": "head", "tail": None,
+                                        "base": None, "ba": "ba"}
+
+
+def test_a_fork_after_a_write_voids_the_answer_a_child_from_before_does_not(in_process):
+    if dirty.SOFT_DIRTY:
+        pytest.skip("soft-dirty is immune to forks")
+    arrays = {"a": np.arange(2 * MIB, dtype=np.float64), "b": np.arange(2 * MIB, dtype=np.float64)}
+    r, w = os.pipe()
+    early = os.fork()  # a child from before arm: shares no page written after
+    if early == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        tracker = in_process(arrays)
+        assert answers(tracker, arrays) == {"a": "a", "b": "b"}
+        arrays["a"][0] = 7.0  # written: exclusive, …
+        assert answers(tracker, arrays)["a"] is None
+        late = os.fork()  # … then shared again with a new child
+        if late == 0:
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        assert answers(tracker, arrays) == {"a": None, "b": None}
+    finally:
+        os.close(w)
+        os.close(r)
+        for pid in (early, locals().get("late")):
+            if pid:
+                os.waitpid(pid, 0)
+
+
+def test_zero_page_after_madvise_or_reallocation_is_not_the_armed_page(in_process):
+    arrays = {"dropped": np.arange(4 * MIB // 8, dtype=np.float64) + 1,
+              "zeros": np.zeros(4 * MIB // 8), "untouched": np.empty(4 * MIB // 8)}  # never written
+    tracker = in_process(arrays)
+    d = arrays["dropped"]
+    madvise((d.ctypes.data // PAGE + 3) * PAGE, 2 * PAGE, MADV_DONTNEED)
+    assert d.sum() > 0  # a read maps the zero page: present, shared, unwritten
+    arrays["untouched"].sum()  # absent when armed, zero page now: still zeros, fine
+    madvise((arrays["zeros"].ctypes.data // PAGE + 3) * PAGE, 2 * PAGE, MADV_DONTNEED)
+    arrays["zeros"].sum()
+    assert answers(tracker, arrays) == {"dropped": None, "zeros": "zeros", "untouched": "untouched"}
+
+
+def test_freed_and_reallocated_at_the_same_address(in_process):
+    for fill in ("write", "read", "nothing"):
+        arrays = {"a": np.arange(8 * MIB // 8, dtype=np.float64)}
+        before = arrays["a"].tobytes()
+        tracker = in_process(arrays)
+        addr = arrays["a"].ctypes.data
+        del arrays["a"]
+        arrays["a"] = new = np.empty(8 * MIB // 8)
+        if fill == "write":
+            new[:] = 3.0
+        elif fill == "read":
+            new.sum()
+        if new.ctypes.data == addr:  # on the heap, free + malloc may leave the bytes as they were
+            got = tracker.digest_if_unchanged(addr, new.nbytes)
+            assert got is None or new.tobytes() == before, fill
+            if fill == "write":
+                assert got is None
+
+
+def test_sentinel_with_busy_threads(in_process):
+    """Arm while other threads allocate, log and hold locks: the sentinel ends every time."""
+    import logging
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def busy():
+        log = logging.getLogger("gpuhub.test")
+        while not stop.is_set():
+            with lock:
+                _ = [bytearray(1000) for _ in range(50)]
+                log.debug("busy")
+
+    threads = [threading.Thread(target=busy) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        arrays = {"a": np.arange(2 * MIB, dtype=np.float64)}
+        for _ in range(30):
+            tracker = in_process(arrays)
+            assert answers(tracker, arrays) == {"a": "a"}
+        tracker.close()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_forked_child_mode():
+    arrays = {"w": np.arange(2 * MIB, dtype=np.float64), "k": np.arange(2 * MIB, dtype=np.float64)}
+
+    def child():
+        t = dirty.BufferTracker.arm(known(arrays), mode="forked-child")
+        arrays["w"][5] = 0
+        return t.cow, answers(t, arrays), dirty.live_sentinel()
+
+    cow, got, sentinel = in_child(child)
+    assert cow and sentinel is None
+    assert got == {"w": None, "k": "k"}
+
+
+# --- property: random arrays, random writes, frees, reallocations, copies and views ----------------
+OPS = ["edge byte", "slice", "whole", "same value", "free+empty", "free+empty+fill", "copy", "view write",
+       "read", "madvise+read"]
+unit = st.floats(0, 1, exclude_max=True)
+PLANS = st.fixed_dictionaries({
+    # elements (int64), a view of the middle or the whole array, where the view starts and its length
+    "buffers": st.lists(st.tuples(st.integers(MIB // 8, 3 * MIB // 8), st.booleans(), unit, unit),
+                        min_size=1, max_size=5),
+    # operation, on which buffer, two positions, a byte
+    "ops": st.lists(st.tuples(st.sampled_from(OPS), unit, unit, unit, st.integers(1, 255)), max_size=6),
+})
+
+
+def make_buffers(plan) -> dict:
+    bufs = {}
+    for i, (n, view, u, v) in enumerate(plan["buffers"]):
+        a = np.random.default_rng(i).integers(1, 1 << 62, n, dtype=np.int64)
+        if view:
+            lo = int(u * n / 4)
+            a = a[lo:lo + n // 2 + int(v * (n - lo - n // 2))]  # its base stays alive through the view
+        bufs[f"b{i}"] = a
+    return bufs
+
+
+def run_plan(plan, bufs, arm) -> tuple[int, int]:
+    """Arm over ``bufs``, apply the operations; check every answer against the bytes.
+    Returns (untouched buffers answered, untouched buffers)."""
+    armed = {name: (a.ctypes.data, a.nbytes, a.tobytes()) for name, a in bufs.items()}
+    tracker = arm(known(bufs))
+    names, touched = sorted(bufs), set()
+    for op, which, u, v, byte in plan["ops"]:
+        name = names[int(which * len(names))]
+        a = bufs[name]
+        if op == "edge byte":  # the byte before / at / after a page boundary inside the buffer
+            k = int(u * (a.nbytes // PAGE + 1))
+            off = (a.ctypes.data // PAGE + k) * PAGE - a.ctypes.data + int(v * 3) - 1
+            a.view(np.uint8)[min(max(off, 0), a.nbytes - 1)] ^= byte
+        elif op == "slice":
+            i = int(u * a.size)
+            a[i:i + 1 + int(v * (a.size - i))] = -5
+        elif op == "whole":
+            a[:] = a + 1
+        elif op == "same value":  # leaves the bytes as they were: either answer is right
+            i = int(u * a.size)
+            a[i] = a[i]
+        elif op in ("free+empty", "free+empty+fill"):
+            n = a.size
+            del a
+            bufs[name] = np.empty(n, dtype=np.int64)  # often at the same address
+            if op == "free+empty+fill":
+                bufs[name][:] = byte
+        elif op == "copy":
+            bufs[name] = a.copy()
+        elif op == "view write":
+            a[::7][int(u * ((a.size - 1) // 7 + 1))] = 0
+        elif op == "read":
+            int(a.sum())
+        else:
+            madvise((a.ctypes.data // PAGE + 1) * PAGE, PAGE, MADV_DONTNEED)
+            int(a.sum())
+        if op != "read":
+            touched.add(name)
+    hits = untouched = 0
+    for name, a in bufs.items():
+        where = (a.ctypes.data, a.nbytes)
+        got = tracker.digest_if_unchanged(*where)
+        # whatever armed range this buffer now occupies, a digest must be that range's and the bytes its
+        owners = [other for other, (addr, n, _) in armed.items() if (addr, n) == where]
+        if got is not None:
+            assert got in owners, (name, got, owners)
+            assert a.tobytes() == armed[got][2], f"{name}: reported unchanged as {got}, bytes differ"
+        if name not in touched:
+            untouched += 1
+            hits += got is not None
+    tracker.close()
+    assert tracker.digest_if_unchanged(*armed[names[0]][:2]) is None
+    return hits, untouched
+
+
+STATS = {"in-process": [0, 0], "forked-child": [0, 0]}
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(PLANS)
+def test_property_in_process(plan):
+    hits, untouched = run_plan(plan, make_buffers(plan), lambda k: dirty.BufferTracker.arm(k, mode="in-process"))
+    STATS["in-process"][0] += hits
+    STATS["in-process"][1] += untouched
+    assert dirty.live_sentinel() is None
+    if not dirty._ksm_merged():  # KSM merging here: anonymous memory is never answered (rule 7)
+        assert hits == untouched  # nothing written on their pages: every untouched buffer is answered
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(PLANS)
+def test_property_forked_child(plan):
+    bufs = make_buffers(plan)  # here: a GPU cell's child works on the replica's buffers
+    hits, untouched = in_child(lambda: run_plan(plan, bufs, lambda k: dirty.BufferTracker.arm(k, mode="forked-child")))
+    STATS["forked-child"][0] += hits
+    STATS["forked-child"][1] += untouched
+    if not dirty._ksm_merged():
+        assert hits == untouched
+
+
+def test_property_hit_rates():
+    """Printed with -s: the share of untouched buffers answered (the property tests assert all)."""
+    for mode, (hits, untouched) in STATS.items():
+        if untouched:
+            print(f"\n{mode}: {hits}/{untouched} untouched buffers answered")
