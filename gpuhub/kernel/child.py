@@ -186,6 +186,8 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     getpass.getpass = lambda prompt="Password: ", stream=None: relayed_input(prompt, True)
 
     devices.move_tagged_to_devices()
+    # Large buffers the cell does not write keep the parent's digests: not hashed, not sent.
+    _, known_digest = images.track(known.resident, mode="forked-child", sentinel=False)
 
     # History is the parent's to write (one SQLite writer). The parent has moved the prompt number
     # on already (IPython 9 does it as a cell starts), so the child's displayhook numbers Out[n] right.
@@ -201,13 +203,13 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
     ran = time.monotonic()
-    chan.send("image", capture_image(shell, known),
+    chan.send("image", capture_image(shell, known, known_digest),
               {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
 
-def capture_image(shell, known: KnownBuffers) -> SentImage:
+def capture_image(shell, known: KnownBuffers, known_digest) -> SentImage:
     """The namespace image, with the bytes of the buffers the parent does not hold."""
-    cap = images.capture(shell.user_ns, shell.user_ns_hidden)
+    cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
     buffers = []
     for d, mv in zip(cap.digests, cap.buffers, strict=True):
         d = d or digest(mv)

@@ -672,12 +672,13 @@ class BufferTracker:
         self.closed = False
 
     @classmethod
-    def arm(cls, known: Iterable[tuple[int, int, str]], *, mode: str) -> BufferTracker:
+    def arm(cls, known: Iterable[tuple[int, int, str]], *, mode: str, sentinel: bool = True) -> BufferTracker:
         """Start tracking the buffers ``known``: (address, nbytes, digest of those bytes now).
 
         ``mode``: ``"forked-child"`` (this process was forked just now, e.g. a GPU cell's child:
         copy-on-write bits) or ``"in-process"`` (the long-lived kernel: soft-dirty bits where they
-        work, else a sentinel child, see :class:`_Sentinel`). Arming voids every tracker armed
+        work, else a sentinel child, see :class:`_Sentinel`, unless ``sentinel`` is False: then
+        anonymous memory is not tracked there). Arming voids every tracker armed
         before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
         :meth:`digest_if_unchanged` then answers None for it."""
         global _generation, _sentinel
@@ -696,7 +697,7 @@ class BufferTracker:
             maps = _Maps()
             kinds = {k: maps.kind(k[0], k[0] + k[1]) if k[1] > 0 else None for k in digests}
             sd = cow = False
-            sentinel = None
+            allow_sentinel, sentinel = sentinel, None
             if _ANON in kinds.values():
                 sd = SOFT_DIRTY
                 if sd:
@@ -706,7 +707,7 @@ class BufferTracker:
                         sd = False
                 if mode == "forked-child":
                     cow = _cow_works()
-                elif not sd:
+                elif not sd and allow_sentinel:
                     try:
                         sentinel = _sentinel = _Sentinel()
                     except OSError as exc:
@@ -828,6 +829,18 @@ def _present_runs(flags: bytes) -> list[tuple[int, int]]:
     return runs
 
 
+def _absent(flags: bytes) -> set[int]:
+    """Indexes of the pages whose pagemap byte 7 says not present (cost follows their number)."""
+    present, absent = flags.translate(_PRESENT_01), set()
+    i = present.find(0)
+    while i >= 0:
+        j = present.find(1, i)
+        j = len(present) if j < 0 else j
+        absent.update(range(i, j))
+        i = present.find(0, j)
+    return absent
+
+
 def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int) -> _Armed | None:
     page, end = -(-lo // PAGE), hi // PAGE
     count = max(0, end - page)
@@ -842,9 +855,8 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int) -> _Armed 
         if flags.translate(None, _NOT_SWAPPED):
             return None  # swapped out: its content is not known without reading it back in
         runs = _present_runs(flags)
-        absent = set(range(count))
-        for i, j in runs:  # absent pages are not read (they read as zeros)
-            absent.difference_update(range(i, j))
+        absent = _absent(flags)  # absent pages are not read (they read as zeros)
+        for i, j in runs:
             words = _first_words(page + i, j - i)
             firsts[8 * i:8 * j] = words
             for z in _zero_words(words):

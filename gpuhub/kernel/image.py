@@ -21,6 +21,7 @@ pickled stays on the executor only; the caller warns.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import re
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import devices
+from gpuhub.kernel import devices, dirty
 
 BUFFER_MIN_BYTES = 1 << 20
 """Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
@@ -55,6 +56,29 @@ class Capture:
     def sized_buffers(self) -> list[tuple[str | None, int, memoryview]]:
         """(known digest, size, memory) per buffer, as :meth:`Replica.store_image` takes them."""
         return [(d, mv.nbytes, mv) for d, mv in zip(self.digests, self.buffers, strict=True)]
+
+
+def address_of(mv: memoryview) -> int:
+    """The address of a buffer's first byte (read-only ones too)."""
+    if not mv.readonly:
+        c = ctypes.c_char.from_buffer(mv)
+        try:
+            return ctypes.addressof(c)
+        finally:
+            del c
+    import numpy as np  # a read-only out-of-band buffer comes from numpy (or a library that has it)
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+
+
+def track(resident: dict[str, memoryview], *, mode: str, sentinel: bool):
+    """A :class:`gpuhub.kernel.dirty.BufferTracker` over the buffers this process holds of the last
+    image (digest -> memory), and the ``known_digest`` function for :func:`capture` it answers."""
+    known = [(address_of(mv), mv.nbytes, d) for d, mv in resident.items() if mv.nbytes]
+    if not known:
+        return None, lambda mv: None
+    tracker = dirty.BufferTracker.arm(known, mode=mode, sentinel=sentinel)
+    return tracker, lambda mv: tracker.digest_if_unchanged(address_of(mv), mv.nbytes) if mv.nbytes else None
 
 
 def replicated_names(ns: dict, hidden) -> list[str]:

@@ -21,7 +21,7 @@ import time
 
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import child
+from gpuhub.kernel import child, dirty
 from gpuhub.kernel import image as images
 from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
@@ -76,7 +76,9 @@ class GpuhubKernel(IPythonKernel):
             raise RuntimeError("gpuhub: a GPU kernel runs in a group of replicas and GPUHUB_PEERS_FILE "
                                "is unset; start it through the agent or `gpuhub local-kernel`")
         if self.replica is not None:
-            self.replica.huge_pages = self.gpus > 0  # every GPU cell forks this process
+            # every GPU cell forks this process; so does a CPU cell's write-tracking sentinel
+            self.replica.huge_pages = self.gpus > 0 or (
+                self.replica.settings.write_tracking == "sentinel" and not dirty.SOFT_DIRTY)
             self._join_group()
 
     def _join_group(self) -> None:
@@ -245,14 +247,19 @@ class GpuhubKernel(IPythonKernel):
         shell, rep = self.shell, self.replica
         began = time.monotonic()
         if self.gpus == 0:
+            # Large buffers no write touched keep their digest (gpuhub/kernel/dirty.py): not hashed again.
+            tracker, known_digest = images.track(rep.resident, mode="in-process",
+                                                 sentinel=rep.settings.write_tracking == "sentinel")
             rep.resident = {}  # the cell may write any buffer of the namespace
             self._running_here = True
             try:
                 reply = await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                                   cell_meta=cell_meta, cell_id=cell_id)
+                cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
             finally:
                 self._running_here = False
-            cap = images.capture(shell.user_ns, shell.user_ns_hidden)
+                if tracker is not None:
+                    tracker.close()  # ends the sentinel, if any: written pages are no longer held twice
             self._warn_unreplicable(cap.failed)
             entry = rep.store_image(cap.stream, cap.names, cap.sized_buffers(), live=True)
         else:

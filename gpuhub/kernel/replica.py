@@ -77,6 +77,11 @@ class Settings:
     grant_timeout_s: float = 300.0  # all replicas busy: how long a cell waits for a GPU
     ready_timeout_s: float = 120.0  # joining the group and catching up at start
     inline_max_bytes: int = INLINE_MAX_BYTES
+    # How a CPU kernel learns which large buffers a cell wrote, where the Linux kernel lacks
+    # soft-dirty bits: "sentinel" forks a dormant child per cell (a `pass` cell then skips hashing;
+    # writing a large array costs copy-on-write faults, ~0.5 s/GiB, and its pages twice the memory
+    # until the cell ends); "hash" hashes every large buffer once per cell instead (~0.4 s/GiB).
+    write_tracking: str = "sentinel"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -87,6 +92,11 @@ class Settings:
                           ("ready_timeout_s", "GPUHUB_READY_TIMEOUT_S")):
             if os.environ.get(env):
                 setattr(s, name, float(os.environ[env]))
+        tracking = os.environ.get("GPUHUB_WRITE_TRACKING", "").strip()
+        if tracking:
+            if tracking not in ("sentinel", "hash"):
+                raise RuntimeError(f"gpuhub: GPUHUB_WRITE_TRACKING is {tracking!r}; use 'sentinel' or 'hash'")
+            s.write_tracking = tracking
         return s
 
 
@@ -164,8 +174,9 @@ class Replica:
         self.state.on_apply = self._on_apply
         self.interrupted = threading.Event()
         self._closing = threading.Event()
-        # GPU kernels fork for every cell: large values and their pickles go to 2 MiB pages so the
-        # fork stays cheap (hugepages.collapse_later). CPU kernels never fork.
+        # Processes that fork for every cell (GPU kernels; CPU kernels tracking writes with a
+        # sentinel, gpuhub/kernel/dirty.py) keep large values and blobs in 2 MiB pages so the
+        # fork stays cheap (hugepages.collapse_later). The kernel sets it.
         self.huge_pages = False
         self._peers_file: str | None = None
         self._peers_mtime = 0
@@ -312,6 +323,8 @@ class Replica:
             refs.append((d, n))
             if live:
                 resident.setdefault(d, mem)
+                if self.huge_pages:
+                    hugepages.collapse_later(mem)  # the live value: the next sentinel's fork copies less
         if live:
             self.resident = resident
         key = (digest(stream), tuple(refs), tuple(names))
@@ -345,6 +358,8 @@ class Replica:
             self.store.recycle(buf)
             return d, None
         self._keep(d, view if len(buf) != n else buf)
+        if self.huge_pages:
+            hugepages.collapse_later(buf)
         return d, view
 
     def commit_cell(self, cell: str, attempt: int, status: str, image: ImageEntry | None,

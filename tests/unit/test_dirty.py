@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from gpuhub.kernel import dirty, hugepages
+from gpuhub.replication.digest import digest
 
 MIB = 1 << 20
 MODES = {"cow": {"forked": True, "soft_dirty": False}}
