@@ -26,7 +26,7 @@ import io
 import pickle
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import cloudpickle
@@ -185,10 +185,14 @@ def load(stream, buffers: list) -> dict:
     return pickle.loads(stream, buffers=buffers)
 
 
-def install(ns: dict, hidden, image: dict) -> None:
-    """Make ``ns`` hold exactly the image's replicated names (others of IPython's stay as they are).
-    ``Out`` is updated in place: IPython's displayhook and history hold that very dict."""
-    for name in replicated_names(ns, hidden):
+def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -> None:
+    """Make ``ns`` hold the image's replicated names (others of IPython's stay as they are).
+    ``known``: the names the group had before (the previous image's); only those may be removed,
+    so a value that could not be replicated stays on the replica that made it. None: every
+    replicated name not in the image is removed. ``Out`` is updated in place: IPython's
+    displayhook and history hold that very dict."""
+    candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
+    for name in candidates:
         if name not in image and name != OUT:
             del ns[name]
     out = image.pop(OUT, None)

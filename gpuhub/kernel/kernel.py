@@ -289,8 +289,8 @@ class GpuhubKernel(IPythonKernel):
             rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
             self._role = "follower"
             return reply
-        if self.gpus > 0 and entry is not None:
-            images.install(shell.user_ns, shell.user_ns_hidden, rep.load_image(entry))
+        if self.gpus > 0 and not rep.sync_namespace(shell.user_ns, shell.user_ns_hidden):
+            log.error("replica %d could not load the image of its own cell", rep.id)  # next cell retries
         return reply
 
     def _warn_unreplicable(self, failed: dict[str, str]) -> None:

@@ -371,7 +371,7 @@ class Replica:
         self._wait(lambda: cell in self.state.outcomes, 30)
         outcome = self.state.outcomes[cell]
         won = outcome.kind == "complete" and outcome.by == self.id
-        if won:
+        if won and self.cells_in_process:  # the live namespace is the committed image already
             self.loaded_version = self.state.image_version
             if image is not None:
                 self._image_key = self._pending_key
@@ -450,6 +450,12 @@ class Replica:
                 hugepages.collapse_later(mv)
         return value
 
+    def install_image(self, ns: dict, hidden, entry: ImageEntry) -> None:
+        """Load ``entry`` and make it ``ns``'s replicated part (names the previous image did not
+        have, i.e. values that could not be replicated, stay)."""
+        known = self._image_key[2] if self._image_key is not None else None
+        images.install(ns, hidden, self.load_image(entry), known)
+
     def _forget_old_blobs(self) -> None:
         """Drop the blobs of images older than the committed one. Only those: a blob pushed for a
         cell not committed yet (its executor pushes before it commits) may already be here, and
@@ -473,11 +479,10 @@ class Replica:
         if entry is None or (version == self.loaded_version and not force):
             return True
         try:
-            values = self.load_image(entry)
+            self.install_image(ns, hidden, entry)
         except Exception as exc:
             log.error("replica %d cannot load the namespace image: %s: %s", self.id, type(exc).__name__, exc)
             return False
-        images.install(ns, hidden, values)
         self.loaded_version = version
         self._forget_old_blobs()
         return True
