@@ -12,6 +12,7 @@ Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -79,26 +80,41 @@ class GpuhubKernel(IPythonKernel):
             # every GPU cell forks this process; so does a CPU cell's write-tracking sentinel
             self.replica.huge_pages = self.gpus > 0 or (
                 self.replica.settings.write_tracking == "sentinel" and not dirty.SOFT_DIRTY)
-            self._join_group()
+            # Joining the group (a Raft leader election, catching up) takes a second or so: it
+            # runs beside the kernel's start, so kernel_info is answered meanwhile and only the
+            # first cell waits for it (_joined).
+            self._joined = threading.Event()
+            self._unhidden = False
+            threading.Thread(target=self._join_group, name="gpuhub-join", daemon=True).start()
 
     def _join_group(self) -> None:
-        """Catch up (journal + peers) before the first request: a restarted replica's namespace
-        is the group's, not empty."""
-        self.replica.wait_ready()
-        if not self.replica.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
-            log.error("replica %d started without the group's variables", self.replica.id)
-        self._joined_names = images.replicated_names(self.shell.user_ns, self.shell.user_ns_hidden)
-        if self.replica.state.execution_count:
-            self.shell.execution_count = self.replica.state.execution_count
-        log.info("replica %d ready: %d name(s), next prompt %d", self.replica.id,
-                 len(self._joined_names), self.shell.execution_count)
+        """Catch up (journal + peers) before the first cell: a restarted replica's namespace is
+        the group's, not empty. A replica that cannot join exits, with the reason in its log."""
+        try:
+            self.replica.wait_ready()
+            if not self.replica.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
+                log.error("replica %d started without the group's variables", self.replica.id)
+            image = self.replica.state.image
+            self._joined_names = list(image.names) if image is not None else []  # what was loaded
+            if self.replica.state.execution_count:
+                self.shell.execution_count = self.replica.state.execution_count
+            log.info("replica %d ready: %d name(s), next prompt %d", self.replica.id,
+                     len(self._joined_names), self.shell.execution_count)
+            self._joined.set()
+        except BaseException as exc:
+            log.critical("%s", exc)
+            sys.stderr.flush()
+            os._exit(3)
 
-    def start(self):
-        # IPython hides everything in the namespace at start-up from %who (hide_initial_ns), which
-        # would also hide the names this replica caught up with from the namespace image.
-        for name in self._joined_names:
-            self.shell.user_ns_hidden.pop(name, None)
-        super().start()
+    async def _wait_joined(self) -> None:
+        if not self._joined.is_set():
+            await asyncio.to_thread(self._joined.wait)
+        if not self._unhidden:
+            # IPython hides what is in the namespace at start-up from %who (hide_initial_ns); the
+            # names this replica caught up with must stay visible, and in the namespace image.
+            for name in self._joined_names:
+                self.shell.user_ns_hidden.pop(name, None)
+            self._unhidden = True
 
     def _abort_queues(self, *args, **kwargs):
         # With replicas, the router alone aborts the requests queued behind an error (it holds
@@ -128,6 +144,7 @@ class GpuhubKernel(IPythonKernel):
                          allow_stdin=False, *, cell_meta=None, cell_id=None):
         self._role = "executor"
         if self.replica is not None:
+            await self._wait_joined()
             try:
                 return await self._execute_replicated(code, silent, store_history, user_expressions,
                                                       allow_stdin, cell_meta=cell_meta, cell_id=cell_id)
