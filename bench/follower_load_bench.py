@@ -5,9 +5,10 @@ thread that sleeps 1 ms in a loop stands in for pysyncobj's Raft thread; the fig
 for the next cell's election is the longest gap between its ticks while the main thread loads:
 
 - ``pickle.loads``: the in-band pickle (cloudpickle, protocol 5) held in the blob store, as
-  followers loaded values before gpuhub/replication/oob.py; it copies the array holding the GIL;
-- ``oob.loads``: the out-of-band layout received into a file-backed store, each buffer mapped
-  copy-on-write (what a CPU kernel's follower does now).
+  followers once loaded values; it copies the array holding the GIL;
+- ``image.load``: the namespace image (gpuhub/kernel/image.py), its large buffer a raw blob received
+  into a file-backed store and mapped copy-on-write (what a follower does now,
+  ``Replica.load_image``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import time
 import cloudpickle
 import numpy as np
 
-from gpuhub.replication import oob
-from gpuhub.replication.blobstore import BlobStore
+from gpuhub.kernel import image
+from gpuhub.replication.blobstore import BlobStore, copy_into
 from gpuhub.replication.digest import digest
 
 
@@ -55,18 +56,20 @@ def run(size_bytes: int = 1 << 30, repeats: int = 3) -> dict[str, list[tuple[flo
     value = np.ones(size_bytes // 8)
     inband = cloudpickle.dumps(value, protocol=5)
     store = BlobStore(file_backed=True)
-    layout = oob.dumps(value)
-    buf = store.alloc(layout.nbytes)
-    view = memoryview(buf)[:layout.nbytes]
-    layout.write_into(view)
+    captured = image.capture({"value": value}, set())
+    (raw,) = captured.buffers
+    buf = store.alloc(raw.nbytes)
+    view = memoryview(buf)[:raw.nbytes]
+    copy_into(view, raw)
     d = digest(view)
     view.release()
-    store.adopt(d, buf, layout.nbytes)
-    del buf
+    store.adopt(d, buf, raw.nbytes)
+    del buf, raw
+    n = value.nbytes
     loads = {
         "pickle.loads (in band)": lambda: pickle.loads(inband),
-        "oob.loads (copy-on-write maps)":
-            lambda: oob.loads(store.get(d), lambda off, n: store.map_private(d, off, n)),
+        "image.load (copy-on-write maps)":
+            lambda: image.load(captured.stream, [memoryview(store.map_private(d, 0, n))]),
     }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in loads}
     for _ in range(repeats):

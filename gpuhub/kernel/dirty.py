@@ -1,10 +1,12 @@
-"""Which large buffers did a cell write? Linux page bits instead of re-pickling (docs/architecture.md D4).
+"""Which large buffers did a cell write? Linux page bits instead of hashing (docs/architecture.md D4).
 
-After every cell the executor sends the group what the cell changed. For a mutable value that was
-not rebound, the only general test is to pickle it and compare digests, which for a 1 GiB numpy
-array costs about a second per cell. This module answers the same question for large
-buffer-backed values (``numpy.ndarray``, ``bytearray``, and CPU ``torch.Tensor`` when the user
-has imported torch: it is never imported here) from the kernel's page tables, in milliseconds.
+After every cell the executor captures the namespace as one image (gpuhub/kernel/image.py): one
+pickle (protocol 5), every large buffer out of band and named by its content digest; the pickler
+finds buffers anywhere inside values (arrays in dicts, DataFrame blocks, module parameters). A
+buffer the group already has is neither copied nor sent, but knowing that its bytes are still
+those of a known digest means hashing them: a pass over every large buffer of the namespace, every
+cell. This module answers the same question from the kernel's page tables, in milliseconds, for
+address ranges: :class:`BufferTracker`.
 
 Signals, both read from ``/proc/self/pagemap`` (one 64-bit entry per page, flags readable
 without privileges):
@@ -13,47 +15,21 @@ without privileges):
   the process; the kernel sets it again on the first write to a page. Needs a kernel built with
   ``CONFIG_MEM_SOFT_DIRTY``; :data:`SOFT_DIRTY` says whether it works here, probed once at import
   (``clear_refs`` writable *and* the bit seen to clear and to flip back on a write).
-- **copy-on-write** (bit 56, "exclusively mapped"): in the GPU cell's child, forked just before
-  the cell, every page is shared with the replica process; the child's first write to a page
-  copies it, and only then is the page mapped by the child alone. Checked in each child before
-  use (:func:`_cow_works`), on a page the parent wrote before forking.
+- **copy-on-write** (bit 56, "exclusively mapped"): in a process forked just now (a GPU cell's
+  child, or the kernel's sentinel, rule 1), every private page is shared between the two
+  processes; the first write to a page copies it, and only then is the page mapped by the writer
+  alone. Checked before use (:func:`_cow_works`), on a page the importing process wrote before
+  forking.
 
-:meth:`Tracker.arm` is called before the cell and snapshots each large value; after the cell
-:meth:`Tracker.unchanged` says True only when **all** of these hold, anything else means "pickle
-it as before" (a false "changed" costs time, a false "unchanged" silently loses data):
-
-1. the same object (``id``) with the same layout: data pointer, shape, strides, dtype (numpy);
-   length (bytearray); storage pointer and size, offset, sizes, strides, dtype, ``_version``,
-   ``requires_grad`` and no Python attributes (torch, whose pickle holds the whole storage);
-2. every page of the buffer's bytes lies in a private anonymous mapping (a shared mapping can be
-   written by another process, or through another mapping, without touching our bits), and is
-   present or swapped out (a page dropped by ``madvise`` or never touched reads as zeros: not
-   trusted); with copy-on-write, present (a swap entry never has the exclusive bit, so a page the
-   child wrote and the kernel swapped out would read as unwritten);
-3. no page has a set bit among the armed signals (soft-dirty if it works here; exclusive if the
-   tracker was armed in a freshly forked child) — except that the first and last page, which the
-   buffer may share with other data (malloc's headers, heap neighbours), may have one if the
-   buffer's own bytes on them equal a copy taken when armed;
-4. copy-on-write only: the cell did not fork. A page written *before* a fork is shared again
-   with the new process while it lives, so the bit would hide the write. Python-level forks are
-   counted (``os.register_at_fork``); a live child process running this interpreter also voids
-   the copy-on-write answer. A process forked from C code that is no longer our child (a daemon's
-   double fork) would still escape this check; soft-dirty, when the kernel has it, is OR-ed in
-   and is immune to it.
-
-Writes by devices (DMA into pinned pages) set neither bit: pinning for write breaks copy-on-write
-(so the page is exclusive, i.e. "written"), and CUDA's own pinned allocations are shared device
-mappings, which rule 2 excludes.
-
-**Buffers** (:class:`BufferTracker`). The namespace is pickled as one object graph with protocol
-5, every large buffer out of band and named by its content digest; the pickler finds buffers
-anywhere inside values (DataFrame blocks, module parameters, arrays in dicts). ``arm(known, mode=)``
-takes (address, nbytes, digest) of buffers whose digest is known now; afterwards
+``BufferTracker.arm(known, mode=)`` takes (address, nbytes, digest) of buffers whose digest is
+known now (the buffers of the last image that this process holds, ``image.track``); afterwards
 ``digest_if_unchanged(address, nbytes)`` returns that digest only when the *same range* was armed
-and its bytes provably did not change, else None (the caller hashes). No object identity or layout
-is involved: the question is only whether these bytes changed. The rules, in addition to 2 and 3:
+and **all** of the rules below hold; anything else answers None, and the caller hashes (a false
+None costs time, a false digest silently loses data). No object identity or layout is involved,
+only whether these bytes changed: shape, dtype and the rest travel in the pickle stream.
 
-5. *Signals by mode.* ``"forked-child"``: copy-on-write as above (plus soft-dirty where it works).
+1. *Signals by mode.* ``"forked-child"`` (the GPU cell's child, forked from its replica just
+   before the cell): copy-on-write, plus soft-dirty where it works (OR-ed in).
    ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else a **sentinel**, a
    dormant child forked at arm (:class:`_Sentinel`): while it lives, every private anonymous page
    of the kernel is shared with it, so a page the kernel writes afterwards is copied and exclusive.
@@ -64,25 +40,42 @@ is involved: the question is only whether these bytes changed. The rules, in add
    logging, random, ours) in the child, as every fork from the kernel does; should one of them
    hang, the child still ends, killed by :meth:`_Sentinel.end`. It ends at the next arm or at
    :meth:`BufferTracker.close` (killed through a pidfd and reaped), or when the kernel dies (end of
-   file on the pipe). Rule 4 holds with one exemption: the sentinel, and any child that was
-   already alive at arm (it was forked before, so shares no page written since), do not void the
-   answer; Python-level forks since arm, or a new live child running this interpreter, do.
-6. *Every interior page must still be the armed page.* A page present and not seen written may
+   file on the pipe). Without a signal (in-process with ``sentinel=False``, or a forked-child
+   mode in a process that was not just forked, and no soft-dirty) anonymous memory is not tracked.
+2. *Private memory only.* The range lies in private anonymous mappings (readable), or in one
+   private mapping of a blob store file (rule 7), and is in the same kind of mapping when asked
+   (``/proc/self/maps``). A shared mapping can be written by another process, or through another
+   mapping, without touching our bits: never tracked.
+3. *No interior page written.* Pages wholly inside the range must have no set bit among the armed
+   signals (soft-dirty on a present page; the exclusive bit in copy-on-write mode) and be present,
+   or not present when armed (they read as zeros then) and either still absent or present and
+   still all zeros. A swapped-out page is not trusted, at arm (the range is not tracked) or after
+   (no answer): its content is not known without reading it back, and a swap entry never has the
+   exclusive bit (a page written and then swapped out would read as unwritten). The partial first
+   and last page, which the range may share with other data (malloc's headers, heap neighbours,
+   written for them), are judged by the range's own bytes on them instead, compared with a copy
+   taken at arm, whatever the bits say.
+4. *Forks (copy-on-write only).* A page written *before* a fork is shared again with the new
+   process while it lives, so the bit would hide the write. Python-level forks since arm are
+   counted (``os.register_at_fork``); a live child process running this interpreter that was not
+   there at arm also voids the answer. The sentinel, and any child already alive at arm (it was
+   forked before, so shares no page written since), do not. A process forked from C code that is
+   no longer our child (a daemon's double fork) would still escape this check; soft-dirty, when
+   the kernel has it, is OR-ed in and is immune to it.
+5. *Every interior page must still be the armed page.* A page present and not seen written may
    still be another page than the armed one: the zero page (``MADV_DONTNEED`` or a new mapping at
    the same place, then a read: neither bit is set by a read fault) or a page that ``mremap`` moved
    here with its copy-on-write state. So the first 8 bytes of every page are kept at arm (8 bytes
    per 4 KiB), and for a page whose first word was zero, a non-zero word and its value (or that
-   the page was all zeros): they must read the same. A page not present when armed read as zeros;
-   it may be absent still, or present and still all zeros. For the zero page (4 KiB, or the huge
-   zero page, which reads as a file page) this is a proof; for a page moved by ``mremap`` it is
-   not (a moved page of the same first word, or non-zero word, passes), a residual risk of
-   copy-on-write only (soft-dirty marks moved pages written). A realloc that moves a buffer grows
-   it, and the grown part is new pages. Pages swapped out (at arm or after) are not trusted (a swap
-   entry has no exclusive bit).
-7. *KSM.* A page merged by KSM is shared (bit 56 clear) and may be the zero page, whatever was
+   the page was all zeros): they must read the same. For the zero page (4 KiB, or the huge zero
+   page, which reads as a file page) this is a proof; for a page moved by ``mremap`` it is not (a
+   moved page of the same first word, or non-zero word, passes), a residual risk of copy-on-write
+   only (soft-dirty marks moved pages written). A realloc that moves a buffer grows it, and the
+   grown part is new pages (and another range: ``nbytes`` differs).
+6. *KSM.* A page merged by KSM is shared (bit 56 clear) and may be the zero page, whatever was
    written to it: no answer for anonymous memory while KSM holds merged pages of this process
    (``/proc/self/ksm_stat``; where the kernel does not say, of any process).
-8. *Private mappings of blob store files* (followers map large values copy-on-write from a memfd,
+7. *Private mappings of blob store files* (followers map large values copy-on-write from a memfd,
    ``BlobStore.map_private``). A page still backed by the file (bit 61 set) was never written
    since the mapping; a written page becomes anonymous (bit 61 clear). The store writes such a
    file once, before storing it, and never reuses it (gpuhub/replication/blobstore.py), so a page
@@ -94,10 +87,12 @@ is involved: the question is only whether these bytes changed. The rules, in add
    ``/proc/self/maps``, must be the same). Needs no signal, no sentinel and no soft-dirty; a range
    with a page written before arming is not tracked. (User code that names its own memfd
    ``gpuhub-blob`` and writes it through another mapping defeats this rule.)
+8. *One tracker at a time.* Every arm voids the trackers armed before it in the process (clearing
+   soft-dirty bits, or a new sentinel, would hide their writes), and so does :meth:`close`.
 
-The bytes of a range on its partial first and last page (shared with other data) are compared with
-a copy taken at arm, whatever the bits say. Every arm voids the trackers armed before it in the
-process (clearing soft-dirty bits, or a new sentinel, would hide their writes).
+Writes by devices (DMA into pinned pages) set neither bit: pinning for write breaks copy-on-write
+(so the page is exclusive, i.e. "written"), and CUDA's own pinned allocations are shared device
+mappings, which rule 2 excludes.
 """
 
 from __future__ import annotations
@@ -108,19 +103,15 @@ import logging
 import mmap
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 log = logging.getLogger("gpuhub.dirty")
 
-THRESHOLD = 1 << 20
-"""Values smaller than this (bytes) are not tracked: pickling them is cheaper than asking."""
 PAGE = mmap.PAGESIZE
 PAGEMAP = "/proc/self/pagemap"
 CLEAR_REFS = "/proc/self/clear_refs"
-_READ_PAGES = 1 << 16  # pagemap entries per read (512 KiB)
 
 # Byte 6 of a little-endian pagemap entry holds bit 55, byte 7 bits 56..63.
 _SOFT_DIRTY = 0x80  # bit 55, in byte 6
@@ -131,9 +122,6 @@ _PRESENT = 0x80  # bit 63, in byte 7
 
 # For bytes.translate(None, delete): the byte values that are fine; whatever is left is not.
 _CLEAN_SD = bytes(b for b in range(256) if not b & _SOFT_DIRTY)
-_RESIDENT = bytes(b for b in range(256) if b & (_PRESENT | _SWAPPED))
-# copy-on-write: present only, a swap entry never has the exclusive bit (written or not)
-_PRESENT_SHARED = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
 
 
 def _entries(first_page: int, npages: int, fd: int | None = None) -> bytes:
@@ -204,8 +192,8 @@ def _probe_soft_dirty() -> bool:
 SOFT_DIRTY = _probe_soft_dirty()
 """Soft-dirty bits work in this process (checked at import)."""
 
-# A page the importing (replica) process wrote: a freshly forked child finds it shared, and
-# exclusive once the child writes it (see _cow_works). Never written by the parent again.
+# A page the importing (replica) process wrote: right after a fork it is shared by the two processes,
+# and exclusive in the one that writes it first (see _cow_works).
 _COW_PAGE = _probe_page()
 _forks = 0
 
@@ -219,24 +207,19 @@ os.register_at_fork(after_in_parent=_count_fork)
 
 
 def _cow_works() -> bool:
-    """In a child forked after import: does a first write turn a shared page exclusive here?"""
+    """Just after a fork (in a GPU cell's child, or in the kernel after forking its sentinel): does a
+    first write turn a shared page exclusive here?"""
     if _COW_PAGE is None:
         return False
     try:
         n = _page_of(_address(_COW_PAGE))
         before = _entries(n, 1)[7]
         if not before & _PRESENT or before & _EXCLUSIVE:
-            return False  # not shared with a parent: this process was not just forked
+            return False  # not shared: no fork just now
         _COW_PAGE[0] = (_COW_PAGE[0] + 1) % 256
         return bool(_entries(n, 1)[7] & _EXCLUSIVE)
     except OSError:
         return False
-
-
-def _same_exe_children() -> bool:
-    """Whether a live child process still runs this interpreter (it may share our pages)."""
-    children = _exe_children()
-    return children is None or bool(children)
 
 
 def _exe_children() -> set[tuple[int, str]] | None:
@@ -287,77 +270,22 @@ def _ksm_merged() -> bool:
         return True
 
 
-# --- what is tracked -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Layout:
-    key: tuple  # changes whenever the pickle could change other than through the bytes
-    lo: int  # first byte of the memory the pickle reads
-    hi: int  # one past the last
-
-
-def _layout(value, threshold: int) -> _Layout | None:
-    """The tracked layout of ``value``, or None if it is not a trackable large buffer."""
-    kind = type(value)
-    if kind is bytearray:
-        n = len(value)
-        if n < threshold:
-            return None
-        addr = _address(value)
-        return _Layout(("bytearray", id(value), addr, n), addr, addr + n)
-    np = sys.modules.get("numpy")
-    if np is not None and kind is np.ndarray:
-        if value.nbytes < threshold or value.dtype.hasobject:
-            return None
-        addr, lo, hi = value.ctypes.data, 0, value.itemsize
-        for n, stride in zip(value.shape, value.strides, strict=False):
-            if stride < 0:
-                lo += stride * (n - 1)
-            else:
-                hi += stride * (n - 1)
-        return _Layout(("ndarray", id(value), addr, value.shape, value.strides, value.dtype),
-                       addr + lo, addr + hi)
-    torch = sys.modules.get("torch")  # never imported here: only values of a loaded torch
-    if torch is not None and kind is torch.Tensor:
-        return _tensor_layout(value, threshold)
-    return None
-
-
-def _tensor_layout(t, threshold: int) -> _Layout | None:
-    try:
-        if (t.device.type != "cpu" or t.layout is not _torch_strided() or t.is_quantized
-                or t.is_sparse or t.is_nested or t.__dict__ or t.grad_fn is not None):
-            return None
-        storage = t.untyped_storage()
-        addr, n = storage.data_ptr(), storage.nbytes()
-        if n < threshold or not addr:
-            return None
-        key = ("tensor", id(t), addr, n, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-               t._version, t.requires_grad, t.is_conj(), t.is_neg())
-        return _Layout(key, addr, addr + n)
-    except Exception:
-        return None
-
-
-def _torch_strided():
-    return sys.modules["torch"].strided
-
-
 # --- mappings -------------------------------------------------------------------------------------
 BLOB_FILE = "/memfd:gpuhub-blob"
 """How /proc/self/maps names the blob store's memfds (gpuhub/replication/blobstore.py, ``_FileBuffer``):
-files written once, before they are stored, and never again (rule 6 below)."""
+files written once, before they are stored, and never again (rule 7 of the module docstring)."""
 _ANON = "anon"
 
 
 class _Maps:
-    """/proc/self/maps as sorted ranges, each marked private-anonymous or not, and with its kind for
-    :class:`BufferTracker`: ``"anon"`` (readable, private, anonymous), ``("file", dev, inode, start -
-    offset)`` (readable private mapping of a blob store file: the key names the file and where it is
-    mapped) or None (anything else: shared, another file, unreadable)."""
+    """/proc/self/maps as sorted ranges, each with its kind for :class:`BufferTracker`: ``"anon"``
+    (readable, private, anonymous), ``("file", dev, inode, start - offset)`` (readable private
+    mapping of a blob store file: the key names the file and where it is mapped) or None (anything
+    else: shared, another file, unreadable)."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []
-        self.ranges: list[tuple[int, int, bool]] = []
+        self.ranges: list[tuple[int, int]] = []
         self.kinds: list[object] = []
         with open("/proc/self/maps", "rb") as f:
             text = f.read().decode("utf-8", "replace")  # at once: reading /proc by lines is slow
@@ -376,22 +304,8 @@ class _Maps:
                     elif path.removesuffix(" (deleted)") == BLOB_FILE:
                         kind = ("file", parts[3], int(parts[4]), start - int(parts[2], 16))
                 self.starts.append(start)
-                self.ranges.append((start, end, private_anon))
+                self.ranges.append((start, end))
                 self.kinds.append(kind)
-
-    def private_anonymous(self, lo: int, hi: int) -> bool:
-        """Whether [lo, hi) is covered by contiguous private anonymous mappings."""
-        i = bisect.bisect_right(self.starts, lo) - 1
-        pos = lo
-        while pos < hi:
-            if i < 0 or i >= len(self.ranges):
-                return False
-            start, end, ok = self.ranges[i]
-            if not ok or not start <= pos < end:
-                return False
-            pos = end
-            i += 1
-        return True
 
     def kind(self, lo: int, hi: int) -> object:
         """The one kind of the mappings that cover [lo, hi) without a gap, or None."""
@@ -400,7 +314,7 @@ class _Maps:
         while pos < hi:
             if i < 0 or i >= len(self.ranges):
                 return None
-            start, end, _ = self.ranges[i]
+            start, end = self.ranges[i]
             if not start <= pos < end or self.kinds[i] is None or (pos > lo and self.kinds[i] != kind):
                 return None
             kind, pos = self.kinds[i], end
@@ -408,130 +322,13 @@ class _Maps:
         return kind
 
 
-# --- the tracker ------------------------------------------------------------------------------------
-class Tracker:
-    """Armed before a cell over some names; afterwards says which of their values are unchanged."""
-
-    def __init__(self, soft_dirty: bool, cow: bool,
-                 snapshots: dict[str, tuple[_Layout, tuple[bytes, bytes]]]) -> None:
-        self.soft_dirty = soft_dirty
-        self.cow = cow
-        self.snapshots = snapshots  # name -> (layout, bytes on its first and last page) when armed
-        self.forks = _forks  # Python-level forks so far in this process
-        self._maps: _Maps | None = None
-        self._cow_void: bool | None = None
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        return tuple(m for m, on in (("soft-dirty", self.soft_dirty), ("cow", self.cow)) if on)
-
-    @classmethod
-    def arm(cls, ns: dict, names, *, forked: bool, threshold: int = THRESHOLD,
-            soft_dirty: bool | None = None) -> Tracker | None:
-        """Start tracking ``names`` of ``ns`` (their current contents must be what the group has).
-
-        ``forked``: this process was forked from the replica just now, before the cell; the
-        copy-on-write signal is then used when it works. Returns None when no signal works here
-        (the caller pickles as before)."""
-        sd = SOFT_DIRTY if soft_dirty is None else soft_dirty
-        cow = forked and _cow_works()
-        if not (sd or cow):
-            return None
-        if sd:
-            global _generation
-            _generation += 1  # clearing the bits hides earlier writes from every BufferTracker
-            try:
-                clear_soft_dirty()  # first: a write after this is seen, the snapshot below only reads
-            except OSError:
-                sd = False
-                if not cow:
-                    return None
-        snaps = {}
-        for name in names:
-            value = ns.get(name)
-            layout = _layout(value, threshold) if value is not None else None
-            if layout is not None:
-                snaps[name] = (layout, _edges(layout.lo, layout.hi))
-        return cls(sd, cow, snaps)
-
-    def __len__(self) -> int:
-        return len(self.snapshots)
-
-    def unchanged(self, name: str, value) -> bool:
-        """True only if ``value`` is the tracked object of ``name`` and no byte of it was written."""
-        if name not in self.snapshots:
-            return False
-        snap, edges = self.snapshots[name]
-        try:
-            now = _layout(value, 0)
-            if now is None or now.key != snap.key:
-                return False
-            if self.cow and self._cow_voided():
-                return False
-            if self._maps is None:
-                self._maps = _Maps()
-            if not self._maps.private_anonymous(snap.lo, snap.hi):
-                return False
-            first, last = self._clean(snap.lo, snap.hi)
-            if first is None:
-                return False
-            # A page the buffer shares with other data (malloc's headers, neighbours on the heap)
-            # may be written for them: there, compare the buffer's own bytes instead.
-            return (first or _edges(snap.lo, snap.hi)[0] == edges[0]) and (
-                last or _edges(snap.lo, snap.hi)[1] == edges[1])
-        except OSError as exc:
-            log.debug("dirty tracking of %r failed: %s", name, exc)
-            return False
-
-    def _cow_voided(self) -> bool:
-        if self._cow_void is None:
-            self._cow_void = _forks != self.forks or _same_exe_children()
-        return self._cow_void
-
-    def _clean(self, lo: int, hi: int) -> tuple[bool | None, bool]:
-        """(first page clean, last page clean); (None, False) when a page between them is not."""
-        first, last = _page_of(lo), _page_of(hi - 1)
-        keep = _PRESENT_SHARED if self.cow else _RESIDENT
-        first_clean = last_clean = True
-        fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for page in range(first, last + 1, _READ_PAGES):
-                n = min(_READ_PAGES, last + 1 - page)
-                data = _entries(page, n, fd)
-                start = 1 if page == first else 0  # the two end pages are judged apart
-                stop = n - 1 if page + n - 1 == last else n
-                if start < stop and _any_bad(data[start * 8:stop * 8], keep, self.soft_dirty):
-                    return None, False
-                if page == first:
-                    first_clean = not _any_bad(data[:8], keep, self.soft_dirty)
-                if page + n - 1 == last:
-                    last_clean = not _any_bad(data[-8:], keep, self.soft_dirty)
-        finally:
-            os.close(fd)
-        return first_clean, last_clean
-
-
-def _any_bad(entries: bytes, keep: bytes, soft_dirty: bool) -> bool:
-    """Whether any of these pagemap entries is a page not resident, or written (armed signals)."""
-    if entries[7::8].translate(None, keep):
-        return True
-    return soft_dirty and bool(entries[6::8].translate(None, _CLEAN_SD))
-
-
-def _edges(lo: int, hi: int) -> tuple[bytes, bytes]:
-    """The bytes of [lo, hi) on its first page and on its last page."""
-    first_end = min(hi, (_page_of(lo) + 1) * PAGE)
-    last_start = max(lo, _page_of(hi - 1) * PAGE)
-    return ctypes.string_at(lo, first_end - lo), ctypes.string_at(last_start, hi - last_start)
-
-
-# --- buffer-level tracking -------------------------------------------------------------------------
+# --- the tracker ----------------------------------------------------------------------------------
 MODES = ("forked-child", "in-process")
 _WORDS = PAGE // 8  # 8-byte words per page
 _Z8 = bytes(8)
 
-# byte 7 of an entry that is fine for an interior page of a range (see BufferTracker's rules)
-# (bit 61 in anonymous memory: the huge zero page, which rule 6 tells from the armed page)
+# byte 7 of an entry that is fine for an interior page of a range (rules 3 and 7)
+# (bit 61 in anonymous memory: the huge zero page, which rule 5 tells from the armed page)
 _OK_ANON = bytes(b for b in range(256) if b & _PRESENT)
 _OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
 _OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
@@ -657,7 +454,7 @@ class _Armed:
 
 class BufferTracker:
     """Which buffers (address ranges) still hold the bytes they had when armed, so that their
-    content digest is still valid. See the module docstring, rules 5-8."""
+    content digest is still valid. See the module docstring, rules 1-8."""
 
     def __init__(self, mode: str, generation: int, armed: dict[tuple[int, int], _Armed],
                  soft_dirty: bool, cow: bool, sentinel: _Sentinel | None) -> None:

@@ -53,9 +53,9 @@ from pathlib import Path
 
 from gpuhub.kernel import hugepages
 from gpuhub.kernel import image as images
-from gpuhub.replication import blobclient, oob
+from gpuhub.replication import blobclient
 from gpuhub.replication.blobserver import BlobServer
-from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.blobstore import BlobStore, copy_into
 from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup
@@ -352,7 +352,7 @@ class Replica:
         n = mv.nbytes
         buf = self.store.alloc(n, anonymous=True)
         view = memoryview(buf)[:n]
-        d = fill_and_digest(view, lambda lo, hi: oob.copy_into(view[lo:hi], mv[lo:hi]))
+        d = fill_and_digest(view, lambda lo, hi: copy_into(view[lo:hi], mv[lo:hi]))
         if self.store.has(d):
             view.release()
             self.store.recycle(buf)
@@ -429,7 +429,7 @@ class Replica:
             if mapped is not None:
                 return memoryview(mapped)
         copy = bytearray(n)
-        oob.copy_into(memoryview(copy), memoryview(data).cast("B"))
+        copy_into(memoryview(copy), memoryview(data).cast("B"))
         return memoryview(copy)
 
     def load_image(self, entry: ImageEntry) -> dict:

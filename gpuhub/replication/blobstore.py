@@ -9,8 +9,12 @@ that size (4.2 → 2.3 CPU-seconds for a 1 GiB push to two peers, bench/blob_ben
 
 **Files.** ``BlobStore(file_backed=True)`` (CPU kernels' replicas) receives values of
 :data:`FILE_MIN` or more into a memfd, so that a value can be built on the received pages with
-private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/replication/oob.py): the
+private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/kernel/replica.py): the
 stored bytes stay as received even when the value is written. Such files are never reused.
+
+**Filling a buffer.** :func:`copy_into` copies bytes into a store's buffer (the executor's copy of
+a live value, a follower's private copy of a blob it cannot map) without holding the GIL for the
+whole copy, so that the replica's Raft thread keeps running meanwhile.
 
 Caller contract: values handed to :meth:`BlobStore.put` (and to the blob client's ``push``) must
 not be mutated afterwards (the store keeps a reference, not a copy).
@@ -24,10 +28,27 @@ import sys
 import threading
 import weakref
 
-__all__ = ["FILE_MIN", "BlobStore"]
+__all__ = ["FILE_MIN", "BlobStore", "copy_into"]
 
 FILE_MIN = 1 << 20
 """``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
+COPY_STEP = 64 << 20  # copy_into copies in steps, so another thread may take the GIL between them
+
+
+def copy_into(dest: memoryview, src: memoryview) -> None:
+    """``dest[:] = src`` for byte views, in GIL-free steps where numpy is importable (numpy's
+    copy releases the GIL; a memoryview slice assignment would hold it for the whole copy)."""
+    try:
+        import numpy as np
+    except ImportError:
+        dest[:] = src
+        return
+    d = np.frombuffer(dest, dtype=np.uint8)
+    s = np.frombuffer(src, dtype=np.uint8)
+    if len(d) != len(s):
+        raise ValueError(f"copy of {len(s)} bytes into {len(d)}")
+    for i in range(0, len(s), COPY_STEP):
+        np.copyto(d[i:i + COPY_STEP], s[i:i + COPY_STEP])
 
 
 class _FileBuffer(mmap.mmap):

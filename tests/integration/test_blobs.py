@@ -11,14 +11,14 @@ import struct
 import numpy as np
 import pytest
 
-from gpuhub.replication import blobclient, blobwire, oob
+from gpuhub.replication import blobclient, blobwire
 from gpuhub.replication.blobclient import BlobError, fetch, push, push_all
 from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
-from tests.unit.test_oob import MIB, blob_of
 
 KEY = b"k" * 32
+MIB = 1 << 20
 
 
 @pytest.fixture
@@ -199,15 +199,15 @@ def test_stop_returns_with_an_idle_connection_open(servers):
         sock.close()
 
 
-# --- out-of-band layouts over the network (gpuhub/replication/oob.py; the rest: tests/unit/test_oob.py)
-def test_push_and_fetch_of_a_layout_verify_and_corruption_is_refused():
+# --- large blobs into file-backed stores (a follower's; the store alone: tests/unit/test_blobstore.py)
+def test_push_and_fetch_of_a_large_blob_verify_and_corruption_is_refused():
     stores = [BlobStore(file_backed=True) for _ in range(2)]
     servers = [BlobServer(s, KEY, "127.0.0.1", 0).start() for s in stores]
     try:
-        blob = blob_of({"a": np.arange(3 * MIB, dtype=np.uint8)})
+        blob = np.arange(3 * MIB, dtype=np.uint8).tobytes()  # received into a memfd (FILE_MIN)
         d = digest(blob)
         bad = bytearray(blob)
-        bad[oob.parse(blob)[1][0][0] + 5] ^= 0xFF  # one byte of the buffer frame
+        bad[2 * MIB + 5] ^= 0xFF  # one byte in the middle
         with pytest.raises(BlobError, match="digest mismatch"):
             push(servers[1].address, KEY, {d: bad})
         assert not stores[1].has(d)
@@ -216,17 +216,20 @@ def test_push_and_fetch_of_a_layout_verify_and_corruption_is_refused():
         assert stores[0].has(d)
         got = fetch([servers[0].address], KEY, d, store=stores[1])
         assert bytes(got) == blob
-        assert stores[1].map_private(d, oob.parse(blob)[1][0][0], 3 * MIB) is not None
+        mapped = stores[1].map_private(d, 0, len(blob))  # the received file, mapped copy-on-write
+        assert mapped is not None and bytes(mapped) == blob
+        mapped[0] ^= 1
+        assert digest(stores[1].get(d)) == d
     finally:
         for s in servers:
             s.stop()
 
 
-def test_a_corrupted_stored_layout_is_refused_by_fetch():
+def test_a_corrupted_stored_large_blob_is_refused_by_fetch():
     store = BlobStore()
     server = BlobServer(store, KEY, "127.0.0.1", 0).start()
     try:
-        blob = bytearray(blob_of(np.arange(MIB, dtype=np.uint8)))
+        blob = bytearray(np.arange(MIB, dtype=np.uint8).tobytes())
         d = digest(blob)
         blob[-1] ^= 1  # the stored bytes differ from the digest they are stored under
         store.put(d, blob)

@@ -1,26 +1,61 @@
 """dirty.BufferTracker where it forks: the in-process sentinel, forks voiding copy-on-write answers,
-the forked-child mode; property tests over random arrays and writes (a wrong digest loses data).
+the forked-child mode; the scenarios of a cell in both modes (writes through views, bytearrays,
+reallocations, shared memory, a fork during the cell, torch); property tests over random arrays and
+writes (a wrong digest loses data).
 
-Every in-process arm on a kernel without soft-dirty (this VM) forks a sentinel child, so these tests
-live here rather than in tests/unit (no process there)."""
+Every in-process arm on a kernel without soft-dirty (this VM) forks a sentinel child, and the
+forked-child mode runs in a child forked from the test process (as a GPU cell runs in a child
+forked from its replica: the buffers are allocated and written before the fork), so these tests
+live here rather than in tests/unit (no process there). Without a process: tests/unit/test_dirty.py."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import pickle
+import sys
 import threading
+import time
+import traceback
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuhub.kernel import dirty
-from tests.unit.test_dirty import in_child
+from gpuhub.kernel import dirty, image
 
 MIB = 1 << 20
 PAGE = dirty.PAGE
 MADV_DONTNEED = 4
+
+
+def in_child(fn):
+    """Run ``fn`` in a forked child; return its result or raise with its traceback."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                out = ("ok", fn())
+            except BaseException:
+                out = ("error", traceback.format_exc())
+            os.write(w, pickle.dumps(out))
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert chunks, "the child died without an answer"
+    status, value = pickle.loads(b"".join(chunks))
+    if status != "ok":
+        pytest.fail(f"in the child:\n{value}")
+    return value
 
 
 def known(arrays: dict) -> list[tuple[int, int, str]]:
@@ -190,6 +225,182 @@ def test_forked_child_mode():
     cow, got, sentinel = in_child(child)
     assert cow and sentinel is None
     assert got == {"w": None, "k": "k"}
+
+
+# --- the scenarios of a cell, in both modes --------------------------------------------------------
+def where(value) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous buffer, as the image's pickler finds it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.data_ptr(), value.untyped_storage().nbytes()
+    mv = memoryview(value).cast("B")
+    try:
+        return image.address_of(mv), mv.nbytes
+    finally:
+        mv.release()
+
+
+def check(mode: str, ns: dict, cell, names=None) -> dict:
+    """Arm over the buffers of ``names`` (default: all of ``ns``), each under its name as digest; run
+    ``cell(ns)``; return {name: the digest answered for the buffer ``ns[name]`` is now}."""
+    names = list(names or ns)
+
+    def run():
+        t = dirty.BufferTracker.arm([(*where(ns[n]), n) for n in names], mode=mode)
+        try:
+            assert t.soft_dirty or t.cow, "no signal works here"
+            cell(ns)
+            return {n: t.digest_if_unchanged(*where(ns[n])) for n in names if n in ns}
+        finally:
+            t.close()
+
+    if mode == "forked-child":
+        return in_child(run)  # ns was allocated (and written) here, before the fork
+    got = run()
+    assert dirty.live_sentinel() is None
+    return got
+
+
+@pytest.fixture(params=dirty.MODES)
+def mode(request):
+    return request.param
+
+
+def big_array(mib: int = 16) -> np.ndarray:
+    return np.arange(mib * MIB // 8, dtype=np.float64)  # every page written, so present
+
+
+def test_write_of_one_element_is_seen(mode):
+    ns = {"big": big_array(), "other": big_array(), "small": np.ones(100), "small2": np.ones(100)}
+
+    def cell(ns):
+        ns["big"][123_456] = -1.0
+        ns["small"][5] = 0  # within one page: its bytes are compared
+
+    assert check(mode, ns, cell) == {"big": None, "other": "other", "small": None, "small2": "small2"}
+
+
+def test_no_write_is_not_seen_and_reading_is_not_a_write(mode):
+    ns = {"big": big_array(), "raw": bytearray(os.urandom(4 * MIB))}
+
+    def cell(ns):
+        assert ns["big"].sum() > 0
+        assert bytes(ns["raw"][:10])
+        ns["x"] = 1
+        ns["copy"] = ns["big"].copy()  # new memory nearby is not the tracked buffer
+
+    assert check(mode, ns, cell, ["big", "raw"]) == {"big": "big", "raw": "raw"}
+
+
+def test_rebinding_answers_for_the_bytes_not_the_name(mode):
+    ns = {"big": big_array(), "same": big_array(), "other": big_array(), "spare": big_array()}
+    ns["spare"][0] = -1.0
+
+    def cell(ns):
+        ns["big"] = ns["big"].copy()  # same content, other memory: not armed, hashed
+        ns["same"] = ns["same"]
+        ns["kept"] = ns["other"]  # the armed array lives on, untouched …
+        ns["other"] = ns.pop("spare")  # … and "other" is now the (untouched) armed "spare"
+
+    assert check(mode, ns, cell, ["big", "same", "other", "spare"]) == {
+        "big": None, "same": "same", "other": "spare"}
+
+
+def test_freed_and_reallocated_at_the_same_place_is_seen(mode):
+    ns = {"big": big_array(64)}
+
+    def cell(ns):
+        old = ns.pop("big")
+        del old
+        new = np.empty(64 * MIB // 8)  # often at the same address
+        new[:] = 7.0
+        ns["big"] = new
+
+    assert check(mode, ns, cell) == {"big": None}
+
+
+def test_reallocation_in_place_is_seen(mode):
+    ns = {"resized": big_array(), "grown": bytearray(4 * MIB)}
+    ns["grown"][:] = b"\1" * len(ns["grown"])
+
+    def cell(ns):
+        ns["resized"].resize(ns["resized"].size + 1, refcheck=False)  # realloc: another range
+        ns["grown"] += b"x"
+
+    assert check(mode, ns, cell) == {"resized": None, "grown": None}
+
+
+def test_write_through_a_view_is_seen(mode):
+    base = big_array()
+    half = base.size // 2
+    ns = {"big": base, "tail": base[half:], "head": base[:half]}
+
+    def cell(ns):
+        view = ns["big"][::3]
+        view[-5] = 42.0  # near the end: the tail's pages and the base's
+
+    assert check(mode, ns, cell) == {"big": None, "tail": None, "head": "head"}
+
+
+def test_a_neighbour_written_on_a_shared_edge_page_is_compared_by_bytes(mode):
+    base = big_array(4)
+    ns = {"part": base[1000:base.size - 1000], "base": base}
+    lo, n = where(ns["part"])
+    assert lo % PAGE and (lo + n) % PAGE  # partial first and last page, shared with the rest of base
+
+    def cell(ns):
+        ns["base"][999] = -1.0  # just before "part": on its first page
+        ns["base"][ns["base"].size - 1000] = -1.0  # just after "part": on its last page
+
+    assert check(mode, ns, cell) == {"part": "part", "base": None}
+
+
+def test_bytearray_write_is_seen(mode):
+    ns = {"w": bytearray(4 * MIB), "same": bytearray(4 * MIB)}
+    for v in ns.values():
+        v[:] = b"\1" * len(v)
+
+    def cell(ns):
+        ns["w"][-1] = 9
+
+    assert check(mode, ns, cell) == {"w": None, "same": "same"}
+
+
+def test_shared_memory_is_never_trusted_untouched_memory_is(mode):
+    shared = mmap.mmap(-1, 8 * MIB)  # MAP_SHARED: writes to it copy nothing, nor need this process
+    shared.write(b"\1" * 8 * MIB)
+    quiet = mmap.mmap(-1, 8 * MIB)
+    ns = {"shared": np.frombuffer(shared, dtype=np.uint8), "quiet": np.frombuffer(quiet, dtype=np.uint8),
+          "zeros": np.zeros(8 * MIB // 8), "fine": big_array(8)}  # zeros: pages never touched
+
+    def cell(ns):
+        ns["shared"][::4096] = 2  # every page written, and still mapped by the parent too
+
+    assert check(mode, ns, cell) == {"shared": None, "quiet": None, "zeros": "zeros", "fine": "fine"}
+
+
+def test_a_fork_during_the_cell_voids_the_copy_on_write_answer():
+    ns = {"big": big_array(), "other": big_array()}
+
+    def cell(ns):
+        ns["big"][0] = 5.0  # written first: exclusive …
+        pid = os.fork()  # … then shared again with a process that lives on
+        if pid == 0:
+            time.sleep(3)
+            os._exit(0)
+
+    assert check("forked-child", ns, cell) == {"big": None, "other": None}
+
+
+def test_torch_cpu_tensor(mode):
+    torch = pytest.importorskip("torch")
+    ns = {"t": torch.ones(1 << 20), "w": torch.ones(1 << 20), "v": torch.ones(1 << 20)}
+
+    def cell(ns):
+        ns["w"][5] = 2.0
+        ns["v"].numpy()[7] = 3.0  # a write torch does not count (_version): the pages do
+
+    assert check(mode, ns, cell) == {"t": "t", "w": None, "v": None}
 
 
 # --- property: random arrays, random writes, frees, reallocations, copies and views ----------------

@@ -289,7 +289,7 @@ def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
 
 def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
     """End to end: a GPU kernel's cells (forked child, tracker armed) lose no write (the tracker
-    alone: tests/unit/test_dirty.py)."""
+    alone: tests/integration/test_dirty_process.py)."""
     kc, _ = start_kernel(make_agent("gpunode", gpus=1), name="gpuhub-kernel-dirty")
     try:
         cells = [

@@ -1,247 +1,49 @@
-"""Dirty-page tracking of large buffers (gpuhub/kernel/dirty.py): a wrong "unchanged" loses data.
-
-Each scenario runs in a child forked from the test process, as a GPU cell runs in a child forked
-from its replica: the buffers are allocated (and written) here before the fork. The copy-on-write
-signal is tested everywhere; soft-dirty only where this kernel has it (dirty.SOFT_DIRTY).
-"""
+"""Dirty-page tracking of large buffers (gpuhub/kernel/dirty.py) without a process: the soft-dirty
+probe, private mappings of blob store files (rule 7), the API; and huge pages for large values
+(gpuhub/kernel/hugepages.py). Anonymous memory needs a fork (the copy-on-write child, or the
+in-process sentinel where soft-dirty is missing): tests/integration/test_dirty_process.py.
+A wrong digest loses data."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
-import time
-import traceback
-import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuhub.kernel import dirty, hugepages
+from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
 
 MIB = 1 << 20
-MODES = {"cow": {"forked": True, "soft_dirty": False}}
-if dirty.SOFT_DIRTY:
-    MODES["soft-dirty"] = {"forked": False, "soft_dirty": True}
-    MODES["both"] = {"forked": True, "soft_dirty": True}
-
-
-def in_child(fn):
-    """Run ``fn`` in a forked child; return its result or raise with its traceback."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            try:
-                out = ("ok", fn())
-            except BaseException:
-                out = ("error", traceback.format_exc())
-            os.write(w, pickle.dumps(out))
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 1 << 16):
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    assert chunks, "the child died without an answer"
-    status, value = pickle.loads(b"".join(chunks))
-    if status != "ok":
-        pytest.fail(f"in the child:\n{value}")
-    return value
+PAGE = mmap.PAGESIZE
 
 
 def big_array(mib: int = 64) -> np.ndarray:
-    a = np.arange(mib * MIB // 8, dtype=np.float64)  # every page written, so present
-    return a
-
-
-def check(mode: str, ns: dict, cell, names=None):
-    """Arm over ``names`` (default: all of ns), run ``cell(ns)``, return {name: unchanged?}."""
-    def child():
-        tracker = dirty.Tracker.arm(ns, list(names or ns), **MODES[mode])
-        assert tracker is not None, "no signal works in a forked child"
-        cell(ns)
-        return {n: tracker.unchanged(n, ns[n]) for n in (names or ns) if n in ns}
-    return in_child(child)
-
-
-@pytest.fixture(params=list(MODES))
-def mode(request):
-    return request.param
-
-
-def test_write_of_one_element_is_detected(mode):
-    ns = {"big": big_array(), "other": big_array()}
-
-    def cell(ns):
-        ns["big"][123_456] = -1.0
-
-    assert check(mode, ns, cell) == {"big": False, "other": True}
-
-
-def test_no_write_is_not_detected_and_reading_is_not_a_write(mode):
-    ns = {"big": big_array(), "raw": bytearray(os.urandom(4 * MIB))}
-
-    def cell(ns):
-        assert ns["big"].sum() > 0
-        assert bytes(ns["raw"][:10])
-        ns["x"] = 1
-        ns["copy"] = ns["big"].copy()  # new memory nearby is not the tracked buffer
-
-    assert check(mode, ns, cell, ["big", "raw"]) == {"big": True, "raw": True}
-
-
-def test_reassign_is_detected_by_id(mode):
-    ns = {"big": big_array(), "same": big_array(), "other": big_array(), "spare": big_array()}
-    ns["spare"][0] = -1.0
-
-    def cell(ns):
-        ns["big"] = ns["big"].copy()  # same content, another object
-        ns["same"] = ns["same"]
-        ns["kept"] = ns["other"]  # the armed array lives on, untouched …
-        ns["other"] = ns.pop("spare")  # … but "other" is now another (untouched) array
-
-    assert check(mode, ns, cell, ["big", "same", "other"]) == {"big": False, "same": True, "other": False}
-
-
-def test_freed_and_reallocated_at_the_same_place_is_detected(mode):
-    ns = {"big": big_array()}
-
-    def cell(ns):
-        old = ns.pop("big")
-        ptr = old.ctypes.data
-        del old
-        new = np.empty(64 * MIB // 8)
-        new[:] = 7.0
-        ns["big"] = new
-        return ptr == new.ctypes.data
-
-    assert check(mode, ns, cell) == {"big": False}
-
-
-@pytest.mark.parametrize("change", ["resize", "reshape", "dtype", "strides"])
-def test_in_place_layout_changes_are_detected(mode, change):
-    ns = {"big": big_array()}
-
-    def cell(ns):
-        a = ns["big"]
-        if change == "resize":
-            a.resize(a.size + 1, refcheck=False)
-        elif change == "reshape":
-            a.shape = (1024, -1)
-        elif change == "dtype":
-            a.dtype = np.int64  # same bytes, another value
-        else:
-            a.shape = (2, -1)
-            with warnings.catch_warnings():  # deprecated in NumPy 2.4, still possible
-                warnings.simplefilter("ignore", DeprecationWarning)
-                a.strides = (8, 16)  # the same bytes, read in another order
-
-    assert check(mode, ns, cell) == {"big": False}
-
-
-def test_write_through_a_view_is_detected(mode):
-    base = big_array()
-    half = base.size // 2
-    ns = {"big": base, "rev": base[::-1], "tail": base[half:], "head": base[:half]}
-
-    def cell(ns):
-        view = ns["big"][::3]
-        view[-5] = 42.0  # near the end: the tail's pages and the base's
-
-    assert check(mode, ns, cell, ["big", "rev", "tail", "head"]) == {
-        "big": False, "rev": False, "tail": False, "head": True}
-
-
-def test_view_written_through_its_base_is_detected(mode):
-    base = big_array(8)
-    ns = {"strided": base.reshape(1024, -1)[:, ::2], "base": base}
-
-    def cell(ns):
-        ns["base"][1] = -1.0  # an element the strided view does not show, on its pages
-
-    # page granularity: a write between the view's elements still counts (safe side)
-    assert check(mode, ns, cell, ["strided"]) == {"strided": False}
-
-
-def test_bytearray_write_and_append_are_detected(mode):
-    ns = {"w": bytearray(4 * MIB), "grown": bytearray(4 * MIB), "same": bytearray(4 * MIB)}
-    for v in ns.values():
-        v[:] = b"\1" * len(v)
-
-    def cell(ns):
-        ns["w"][-1] = 9
-        ns["grown"] += b"x"
-
-    assert check(mode, ns, cell) == {"w": False, "grown": False, "same": True}
-
-
-def test_a_fork_in_the_cell_voids_the_copy_on_write_answer():
-    ns = {"big": big_array()}
-
-    def cell(ns):
-        ns["big"][0] = 5.0  # written first: exclusive …
-        pid = os.fork()  # … then shared again with a process that lives on
-        if pid == 0:
-            time.sleep(3)
-            os._exit(0)
-
-    def child():
-        tracker = dirty.Tracker.arm(ns, ["big"], forked=True, soft_dirty=False)
-        cell(ns)
-        return tracker.unchanged("big", ns["big"])
-
-    assert in_child(child) is False
-
-
-def test_shared_and_untouched_memory_is_not_trusted(mode):
-    shared = mmap.mmap(-1, 8 * MIB)  # MAP_SHARED: writes to it copy nothing, nor need this process
-    shared.write(b"\1" * 8 * MIB)
-    ns = {"shared": np.frombuffer(shared, dtype=np.uint8), "zeros": np.zeros(8 * MIB),
-          "fine": big_array(8)}
-
-    def cell(ns):
-        ns["shared"][::4096] = 2  # every page written, and still mapped by the parent too
-
-    assert check(mode, ns, cell) == {"shared": False, "zeros": False, "fine": True}
-
-
-def test_small_and_object_arrays_are_not_tracked(mode):
-    ns = {"small": np.ones(1000), "objects": np.array([object()] * (2 * MIB // 8)),
-          "listy": [big_array(4)]}
-
-    def cell(ns):
-        pass
-
-    assert check(mode, ns, cell) == {"small": False, "objects": False, "listy": False}
-
-
-def test_not_a_fresh_child_and_no_soft_dirty_means_no_tracker(monkeypatch):
-    monkeypatch.setattr(dirty, "SOFT_DIRTY", False)
-    # this process was not forked just now: its probe page is not shared with a parent
-    assert dirty.Tracker.arm({"big": big_array()}, ["big"], forked=True) is None
-    assert dirty.Tracker.arm({"big": big_array()}, ["big"], forked=False) is None
+    return np.arange(mib * MIB // 8, dtype=np.float64)  # every page written, so present
 
 
 def test_soft_dirty_probe_matches_this_kernel():
     assert dirty._probe_soft_dirty() == dirty.SOFT_DIRTY
-    if not dirty.SOFT_DIRTY:
-        assert dirty.Tracker.arm({}, [], forked=False) is None
 
 
-def test_torch_cpu_tensor(mode):
-    torch = pytest.importorskip("torch")
-    ns = {"t": torch.ones(1 << 20), "w": torch.ones(1 << 20), "v": torch.ones(1 << 20)}
-
-    def cell(ns):
-        ns["w"][5] = 2.0
-        ns["v"].numpy()[7] = 3.0  # a write torch does not count (_version)
-
-    assert check(mode, ns, cell) == {"t": True, "w": False, "v": False}
+def test_anonymous_memory_without_a_signal_is_not_answered(monkeypatch):
+    monkeypatch.setattr(dirty, "SOFT_DIRTY", False)
+    a = big_array(4)
+    # not just forked: no copy-on-write signal, and the forked-child mode makes no sentinel
+    tracker = dirty.BufferTracker.arm([(a.ctypes.data, a.nbytes, "d")], mode="forked-child")
+    assert len(tracker) == 0 and tracker.digest_if_unchanged(a.ctypes.data, a.nbytes) is None
+    # in-process with the sentinel turned off (GPUHUB_WRITE_TRACKING=hash)
+    tracker = dirty.BufferTracker.arm([(a.ctypes.data, a.nbytes, "d")], mode="in-process", sentinel=False)
+    assert len(tracker) == 0 and tracker.digest_if_unchanged(a.ctypes.data, a.nbytes) is None
+    assert dirty.live_sentinel() is None
+    with pytest.raises(ValueError):
+        dirty.BufferTracker.arm([], mode="forked")
 
 
 def _anon_huge_kib(addr: int, n: int) -> int:
@@ -260,9 +62,7 @@ def _anon_huge_kib(addr: int, n: int) -> int:
 
 @pytest.mark.parametrize("kind", ["ndarray", "bytes", "bytearray", "memoryview"])
 def test_prefer_huge_pages_keeps_the_bytes(kind):
-    import pickle as p
-
-    arr = p.loads(p.dumps(np.arange(64 * MIB // 8, dtype=np.float64), protocol=5))  # 4 KiB pages
+    arr = pickle.loads(pickle.dumps(np.arange(64 * MIB // 8, dtype=np.float64), protocol=5))  # 4 KiB pages
     value = {"ndarray": arr, "bytes": arr.tobytes(), "bytearray": bytearray(arr.tobytes()),
              "memoryview": memoryview(bytearray(arr.tobytes()))[: 32 * MIB].toreadonly()}[kind]
     before = bytes(memoryview(value)[:4096]), bytes(memoryview(value)[-4096:])
@@ -274,16 +74,7 @@ def test_prefer_huge_pages_keeps_the_bytes(kind):
     assert hugepages.prefer_huge_pages([1, 2]) is False
 
 
-# --- BufferTracker without a process: private mappings of blob store files (rule 8), API ---------
-# (the sentinel and copy-on-write cases fork: tests/integration/test_dirty_process.py)
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from gpuhub.replication.blobstore import BlobStore  # noqa: E402
-
-PAGE = mmap.PAGESIZE
-
-
+# --- private mappings of blob store files (rule 7) ----------------------------------------------
 def stored_file(store: BlobStore, data: bytes) -> str:
     """Store ``data`` as a file-backed blob (as a follower receives it); its digest."""
     buf = store.alloc(len(data))
@@ -330,7 +121,6 @@ def test_private_file_mapping_written_or_not():
 
 
 def test_a_written_page_dropped_by_madvise_reads_the_file_again():
-    import ctypes
     store = BlobStore(file_backed=True)
     data = os.urandom(2 * MIB)
     m, addr = private_map(store, stored_file(store, data), 2 * MIB)
@@ -342,17 +132,6 @@ def test_a_written_page_dropped_by_madvise_reads_the_file_again():
     assert libc.madvise(addr + PAGE, PAGE, 4) == 0  # MADV_DONTNEED: the file's page again
     assert bytes(m) == data
     assert tracker.digest_if_unchanged(addr, 2 * MIB) == "d"
-
-
-def test_anonymous_memory_without_a_signal_is_not_answered():
-    # this process was not just forked: no copy-on-write signal, and a forked-child mode makes no sentinel
-    a = big_array(4)
-    tracker = dirty.BufferTracker.arm([(a.ctypes.data, a.nbytes, "d")], mode="forked-child")
-    assert dirty.live_sentinel() is None
-    if not dirty.SOFT_DIRTY:
-        assert len(tracker) == 0 and tracker.digest_if_unchanged(a.ctypes.data, a.nbytes) is None
-    with pytest.raises(ValueError):
-        dirty.BufferTracker.arm([], mode="forked")
 
 
 def test_arming_again_voids_the_previous_tracker_and_conflicting_digests_void_a_range():
