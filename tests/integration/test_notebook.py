@@ -233,11 +233,12 @@ def test_notebook_outputs_match_plain_ipykernel(cluster, plain, gpus, allow_erro
     # machine renders the same pixels and writes no timestamp into a PNG
     if pngs(got_nb) != pngs(want_nb):
         differences.append("the plot's PNG bytes differ")
+    stopped = [(e.ename, e.evalue) if e is not None else None for e in (want_error, got_error)]
+    if stopped[0] != stopped[1]:
+        differences.append(f"nbclient stopped on {stopped[1]}, on a plain ipykernel on {stopped[0]}")
+    if got_ran != want_ran:
+        differences.append(f"the cell after the error ran in the kernel: {got_ran} (plain ipykernel: {want_ran})")
     assert not differences, "\n\n".join(differences)
-    assert (got_error is None) == (want_error is None)
-    if got_error is not None:
-        assert (got_error.ename, got_error.evalue) == (want_error.ename, want_error.evalue)
-    assert got_ran == want_ran
 
 
 @pytest.mark.parametrize("gpus,failover", [(0, False), (1, False), (0, True)],
