@@ -1,0 +1,82 @@
+"""The issue's headline case with PyTorch itself (test_faithful.py has it in numpy for CI without
+torch): ``model`` and ``opt = torch.optim.SGD(model.parameters())`` made in one cell, then three
+cells of 20 training steps each printing the loss. A replicated kernel prints exactly what a plain
+ipykernel prints, on a CPU kernel and a GPU kernel (fake GPUs: torch still runs on the CPU, in
+the cell's forked child), and after the executor replica is SIGKILLed. Skipped without torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from gpuhub.dev.cluster import DevCluster
+from tests.integration.test_gpu_cells import run
+from tests.integration.test_replicated import ReplicatedKernel, executor_node, ok
+
+pytest.importorskip("torch")
+
+SETUP = """import torch
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+y = X @ torch.randn(8, 1) + 0.1 * torch.randn(256, 1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)  # momentum: optimizer state too
+loss_fn = torch.nn.MSELoss()
+def train(steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        opt.step()
+    return loss.item()"""
+STEP = "print(repr(train(20)))"  # every digit: exactly the same, not just close
+TRAINING = [SETUP, STEP, STEP, STEP]
+# After the executor is lost: the optimizer still updates the model's own parameters, and trains on
+AFTER = "print(opt.param_groups[0]['params'][0] is next(model.parameters()), repr(train(20)))"
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """What a plain ipykernel prints for the training cells and then AFTER: the anchor."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outs = []
+        for code in [*TRAINING, AFTER]:
+            reply, out = run(kc, code, timeout=120)
+            assert reply["status"] == "ok", out
+            outs.append(out["stdout"])
+        return outs
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = DevCluster(tmp_path_factory.mktemp("torch"), nodes=3, gpus_per_node=1).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=[0, 1], ids=["cpu", "gpu"])
+def kernel(cluster, request):
+    k = ReplicatedKernel(cluster, gpus=request.param)
+    yield k
+    k.close()
+
+
+def test_torch_training_across_cells_prints_plain_ipykernels_losses(kernel, plain):
+    losses = [float(out) for out in plain[1:4]]
+    assert losses[0] > losses[1] > losses[2]  # the anchor trains
+    print("plain ipykernel's losses:", losses)
+    outs = [ok(kernel, code, timeout=120)["stdout"] for code in TRAINING]
+    assert outs == plain[:4]
+    node = executor_node(kernel)  # a cell without history effects on the model
+    executor = next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
+    os.kill(kernel.pid(executor), signal.SIGKILL)
+    after = ok(kernel, AFTER, timeout=120)["stdout"]
+    assert after == plain[4]
+    assert after.split()[0] == "True"
