@@ -143,7 +143,7 @@ def _display_objects(shell) -> tuple[PipeDisplayPublisher, PipeDisplayHook]:
 
 
 def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions: dict,
-        gpu_uuids: list[str], out_fd: int, in_fd: int, known: KnownBuffers) -> None:
+        gpu_uuids: list[str], out_fd: int, in_fd: int, known: KnownBuffers, execution_count: int) -> None:
     """Run one cell in this (child) process and report to the parent. Never returns normally."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     _die_with_parent()
@@ -189,10 +189,13 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     # Large buffers the cell does not write keep the parent's digests: not hashed, not sent.
     _, known_digest = images.track(known.resident, mode="forked-child", sentinel=False)
 
-    # History is the parent's to write (one SQLite writer). The parent has moved the prompt number
-    # on already (IPython 9 does it as a cell starts), so the child's displayhook numbers Out[n] right.
+    # Run as IPython runs a cell, with this cell's number: it names the cell ("Cell In[n]", the
+    # compiled code's file) and moves the prompt on (Out[n], _n). The history database is the
+    # parent's to write (one SQLite writer): the child keeps what it records in memory.
+    shell.execution_count = execution_count
+    shell.history_manager.db_cache_size = sys.maxsize  # never flushed here: the parent writes it
     ready = time.monotonic()
-    result = shell.run_cell(code, store_history=False, silent=silent)
+    result = shell.run_cell(code, store_history=store_history, silent=silent)
     err = result.error_before_exec or result.error_in_exec
     done = {"status": "ok" if result.success else "error"}
     if not result.success:

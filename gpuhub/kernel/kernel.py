@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 
+import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import child, dirty
@@ -47,6 +50,18 @@ def _describe_status(status: int) -> str:
         sig = os.WTERMSIG(status)
         return f"was killed by signal {sig} ({signal.Signals(sig).name})"
     return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+def _name_cells_per_kernel() -> None:
+    """Name compiled cells after the kernel, not the process: ipykernel files cell n's code under
+    a directory named after the pid, and a function keeps that name (its ``co_filename``) wherever
+    it travels. Every replica and every GPU cell's child is another process, so with pid names a
+    function defined on one could not find its source on another (``inspect.getsource``, the
+    lines in a traceback, ``%debug``). With one name per kernel, a replica that records the cell
+    (:meth:`GpuhubKernel._remember_cell`) has the source under the name the function carries."""
+    kernel_id = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("GPUHUB_KERNEL_ID", "") or str(os.getpid()))
+    directory = os.path.join(tempfile.gettempdir(), f"ipykernel_gpuhub_{kernel_id}")
+    ipykernel.compiler.get_tmp_directory = lambda: directory
 
 
 class GpuhubKernel(IPythonKernel):
@@ -83,6 +98,7 @@ class GpuhubKernel(IPythonKernel):
             # Joining the group (a Raft leader election, catching up) takes a second or so: it
             # runs beside the kernel's start, so kernel_info is answered meanwhile and only the
             # first cell waits for it (_joined).
+            _name_cells_per_kernel()
             self._joined = threading.Event()
             self._unhidden = False
             threading.Thread(target=self._join_group, name="gpuhub-join", daemon=True).start()
@@ -328,8 +344,10 @@ class GpuhubKernel(IPythonKernel):
         rep = self.replica
         if not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
             log.error("replica %d could not load the namespace after cell", rep.id)
+        number = outcome.execution_count - (1 if store_history and not silent else 0)
+        self._remember_cell(code, number)
         if store_history and not silent:  # every replica keeps the session's history
-            self.shell.history_manager.store_inputs(outcome.execution_count - 1, code)
+            self.shell.history_manager.store_inputs(number, code)
         self.shell.execution_count = outcome.execution_count
         self._role = "follower"
         reply = {"status": outcome.status, "execution_count": outcome.execution_count - 1,
@@ -337,6 +355,14 @@ class GpuhubKernel(IPythonKernel):
         if outcome.status == "error":  # ipykernel's metadata and stop-on-error read these
             reply.update(ename="", evalue="", traceback=[])
         return reply
+
+    def _remember_cell(self, code: str, number: int) -> None:
+        """Cache cell ``number``'s source as IPython does when it compiles a cell (linecache, and
+        the name → number map that tracebacks use): this replica did not compile it itself."""
+        try:
+            self.shell.compile.cache(self.shell.transform_cell(code), number, raw_code=code)
+        except Exception as exc:  # a cell IPython cannot transform failed on the executor too
+            log.debug("could not cache cell %d: %s", number, exc)
 
     def _ended_without_result(self, outcome: CellOutcome) -> dict:
         """A cell ended by an abort: the replica whose abort won reports it, the others stay silent."""
@@ -391,7 +417,7 @@ class GpuhubKernel(IPythonKernel):
                 os.close(in_w)
                 child.run(shell, code, silent=silent, store_history=store_history,
                           user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
-                          known=known)
+                          known=known, execution_count=number)
             except BaseException:
                 import traceback
 
@@ -425,6 +451,7 @@ class GpuhubKernel(IPythonKernel):
                 pid = None
             self.reaper.end_later(cell, pid, grant)
         storing = time.monotonic()
+        self._remember_cell(code, number)  # the child compiled it, and its caches died with it
         if counting:
             shell.history_manager.store_inputs(number, code)
         self._phases["history"] = time.monotonic() - storing
