@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml requirements/dev.txt
 
 venv: $(STAMP)
 
+# torch for the faithfulness tests (requirements/torch.txt): test targets only, not `make demo`.
+TORCH := $(VENV)/.torch-installed
+$(TORCH): $(STAMP) requirements/torch.txt
+	$(BIN)/pip install -q -r requirements/torch.txt
+	touch $@
+
 # Debian packages the controller needs to run the local podman cluster (docs/testing.md).
 host-deps:
 	scripts/host-deps.sh
@@ -35,7 +41,7 @@ demo-down:
 test-unit: venv
 	$(BIN)/pytest -q -m unit tests
 
-test-fast: venv
+test-fast: venv $(TORCH)
 	$(BIN)/pytest -q -m "not cluster" tests
 
 # The molecule scenario: a fresh cluster "ci", site.yml, idempotence (changed=0), the end-to-end
@@ -43,7 +49,7 @@ test-fast: venv
 test-cluster: venv host-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
 
-test: venv host-deps lint
+test: venv $(TORCH) host-deps lint
 	$(BIN)/pytest -q -m "not cluster" tests
 	$(MAKE) --no-print-directory test-cluster
 
