@@ -426,6 +426,15 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
                 return stack.has_data(expr)
             return check
 
+        def prometheus_ready() -> bool:  # until then its API answers 503 with a plain-text body
+            assert proc.poll() is None, f"prometheus exited: {(tmp / 'prometheus.log').read_text()[-2000:]}"
+            try:
+                return default_client().request("GET", f"{stack.url}/-/ready", timeout=5).status == 200
+            except ApiClientError:  # not listening yet
+                return False
+
+        wait_for(prometheus_ready, 120, "Prometheus to be ready")
+
         # Every agent scraped once with its counters at 0 ...
         wait_for(prometheus_has('count(gpuhub_agent_leases_granted_total == 0) == 4'), 60,
                  "a first scrape of the four agents", ignore=(ApiClientError,))
