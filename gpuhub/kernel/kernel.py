@@ -79,7 +79,8 @@ class GpuhubKernel(IPythonKernel):
         self._interrupted = threading.Event()
         self._joined_names: list[str] = []  # names this replica caught up with at start
         self._unreplicable: dict[str, int] = {}  # name -> id of the value last warned about
-        self._unfinished: tuple[str, int] | None = None  # a cell that ran here but never committed
+        self._unfinished: str | None = None  # a cell this replica gave up on without a majority
+        self._unfinished_lock = threading.Lock()
         self._startup_notice = self._notebook_dir_notice()
         self._running_here = False  # a CPU cell of this replica is running in-process
         self._role = "executor"  # this replica's part in the current request (reply metadata)
@@ -165,7 +166,7 @@ class GpuhubKernel(IPythonKernel):
                 return await self._execute_replicated(code, silent, store_history, user_expressions,
                                                       allow_stdin, cell_meta=cell_meta, cell_id=cell_id)
             except RaftUnavailable as exc:
-                return self._no_majority(exc)
+                return self._no_majority(exc, self.get_parent("shell")["header"]["msg_id"], ran=False)
         self._show_startup_notice()  # a CPU kernel started by hand, without a group: plain ipykernel
         return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                         cell_meta=cell_meta, cell_id=cell_id)
@@ -243,25 +244,54 @@ class GpuhubKernel(IPythonKernel):
             backoff = min(backoff * 2, 2.0)
             attempt += 1
 
-    def _no_majority(self, exc: RaftUnavailable) -> dict:
+    def _no_majority(self, exc: RaftUnavailable, cell: str, *, ran: bool) -> dict:
         """The group lost its majority: an error reply now (from every replica that notices: the
-        router forwards the first), instead of a cell that never ends."""
+        router forwards the first), instead of a cell that never ends. The cell is ended in the
+        log as soon as a majority is back (:meth:`_abandon`), so that no replica runs it later."""
         rep = self.replica
         reachable = 1 + sum(rep.raft.connected(p.raft) for p in rep.peers.values() if p.id != rep.id)
         self._role = "executor"
         log.warning("replica %d: no majority: %s", rep.id, exc)
+        self._abandon(cell)
+        if ran:
+            what = ("the cell ran, but its result could not be replicated: the variables are as before "
+                    "it, unless the replicas that come back had already saved it")
+        else:
+            what = "the cell did not run"
         return self._error_reply("ReplicasUnavailable", (
             f"only {reachable} of this kernel's {len(rep.peers)} replicas can be reached and a cell needs "
-            f"a majority ({len(rep.peers) // 2 + 1}); the cell's variables are as before it. "
+            f"a majority ({len(rep.peers) // 2 + 1}); {what}. "
             "Run it again once the replicas are back (gpuhub restarts lost ones)"), count=False)
 
+    def _abandon(self, cell: str) -> None:
+        """Commit an abort of ``cell`` in the background until it gets through: the other replicas
+        have the request queued and would otherwise run it once they are back."""
+        with self._unfinished_lock:
+            self._unfinished = cell
+
+        def end_it() -> None:
+            while True:
+                try:
+                    self._end_unfinished()
+                    return
+                except RaftUnavailable:
+                    if self.replica.closing:
+                        return
+                except Exception:
+                    log.exception("replica %d: could not end cell %s", self.replica.id, cell)
+                    return
+
+        threading.Thread(target=end_it, name="gpuhub-abandon", daemon=True).start()
+
     def _end_unfinished(self) -> None:
-        """End in the log a cell that ran here while the group had no majority, so replicas still
-        waiting for it go on; its variables were rolled back."""
-        cell, attempt = self._unfinished
-        self.replica.abort(cell, attempt, "majority-lost", "the kernel's replicas lost their majority",
-                           self.replica.state.execution_count or self.shell.execution_count)
-        self._unfinished = None
+        """End in the log the cell given up on (raises RaftUnavailable while no majority)."""
+        with self._unfinished_lock:
+            cell = self._unfinished
+            if cell is None:
+                return
+            self.replica.abort(cell, -1, "majority-lost", "the kernel's replicas lost their majority",
+                               self.replica.state.execution_count or self.shell.execution_count)
+            self._unfinished = None
 
     def _try_grant(self):
         if self.gpus == 0:
@@ -308,12 +338,13 @@ class GpuhubKernel(IPythonKernel):
         try:
             won = rep.commit_cell(cell, attempt, reply["status"], entry, shell.execution_count)
         except RaftUnavailable as exc:
-            self._unfinished = (cell, attempt)
-            rep.loaded_version = -1  # roll the namespace back to the committed image next time
+            # Back to the committed image; and once a majority is back, load whatever it agreed
+            # on (the complete may still commit: Raft keeps an entry its leader had appended).
             if self.gpus == 0:
                 rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
+            rep.loaded_version = -1
             shell.execution_count = rep.state.execution_count or shell.execution_count - 1
-            return self._no_majority(exc)
+            return self._no_majority(exc, cell, ran=True)
         self._phases["commit"] = time.monotonic() - ran
         log.debug("cell %s: image %s; %s", cell, "unchanged" if entry is None else f"{entry.nbytes()} bytes",
                   ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))

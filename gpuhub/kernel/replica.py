@@ -214,6 +214,10 @@ class Replica:
     def other_blob_addrs(self) -> list[str]:
         return [p.blob for p in self.peers.values() if p.id != self.id]
 
+    @property
+    def closing(self) -> bool:
+        return self._closing.is_set()
+
     def close(self) -> None:
         self._closing.set()
         self.raft.destroy()
