@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import stat
 
@@ -54,9 +55,24 @@ def test_kernel_ports_never_hand_out_a_taken_port():
     assert free_ports("127.0.0.1", 1, 28100, 28101, {28100}) == [28101]
 
 
-def test_a_port_something_listens_on_is_skipped():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _listening_next_to_a_free_port() -> tuple[socket.socket, int]:
+    """A socket listening on port p where p + 1 is free, both below Linux's ephemeral range (as
+    the agent's kernel_ports are), so no outgoing connection takes p + 1 meanwhile."""
+    for p in random.sample(range(20000, 29998), 200):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", p + 1))
+        except OSError:
+            s.close()
+            continue
         s.listen()
-        busy = s.getsockname()[1]
+        return s, p
+    raise AssertionError("no two adjacent free ports in 20000-29999")
+
+
+def test_a_port_something_listens_on_is_skipped():
+    s, busy = _listening_next_to_a_free_port()
+    with s:
         assert free_ports("127.0.0.1", 1, busy, busy + 1, set()) == [busy + 1]

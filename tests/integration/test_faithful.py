@@ -149,7 +149,14 @@ def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
         behind = next(r for r in kernel.record["replicas"] if r["id"] != executor_id(kernel))
         os.kill(kernel.pid(behind["id"]), signal.SIGSTOP)
         try:
-            wait_for(lambda: behind["id"] not in live_replicas(kernel), 30, "the router to skip the stopped replica")
+            try:
+                wait_for(lambda: behind["id"] not in live_replicas(kernel), 30,
+                         "the router to skip the stopped replica")
+            except AssertionError as exc:  # seen once: say what the router saw, for the next time
+                rep = kernel.router._replicas[behind["id"]]
+                raise AssertionError(f"{exc}; router view of replica {behind['id']} (pid "
+                                     f"{kernel.pid(behind['id'])}): answered={rep.answered} grace={rep.grace_s} "
+                                     f"last_seen {time.monotonic() - rep.last_seen:.1f} s ago") from None
             for _ in range(5):
                 ok(kernel, "counter += 1", timeout=60)
         finally:
