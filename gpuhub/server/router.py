@@ -461,17 +461,7 @@ class KernelRouter:
     async def _subscriptions(self) -> None:
         """Welcome each new iopub subscription (JEP 65), as ipykernel 7 does: signed, on its topic."""
         sock = self._client["iopub_port"]
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                if sock.closed or e.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                self.log.warning("receive on client iopub failed: %s", e)
-                await asyncio.sleep(0.1)
-                continue
+        async for frames in self._received(sock, "client iopub"):
             for frame in frames:
                 if not frame or frame[0] != 1:
                     continue  # an unsubscription
@@ -485,9 +475,8 @@ class KernelRouter:
 
     # ---------------------------------------------------------------- plumbing
 
-    async def _pump(self, sock: zmq.asyncio.Socket, handler, what: str, *,
-                    replica: _Replica | None = None, channel: str = "") -> None:
-        """Receive from one socket forever; one bad message never stops the router."""
+    async def _received(self, sock: zmq.asyncio.Socket, what: str):
+        """Every multipart message ``sock`` receives, until it is closed (errors are logged)."""
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -499,6 +488,12 @@ class KernelRouter:
                 self.log.warning("receive on %s failed: %s", what, e)
                 await asyncio.sleep(0.1)
                 continue
+            yield frames
+
+    async def _pump(self, sock: zmq.asyncio.Socket, handler, what: str, *,
+                    replica: _Replica | None = None, channel: str = "") -> None:
+        """Receive from one socket forever; one bad message never stops the router."""
+        async for frames in self._received(sock, what):
             try:
                 if channel == "hb_port":  # heartbeats are bare frames, not signed messages
                     await handler(frames, replica)
