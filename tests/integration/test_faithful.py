@@ -11,12 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import run
-from tests.integration.test_replicated import ReplicatedKernel, executor_node, live_replicas, ok, take_the_gpu
+from tests.integration.test_replicated import (
+    ReplicatedKernel,
+    executor_id,
+    live_replicas,
+    ok,
+    plain_outputs,
+    take_the_gpu,
+)
 
 # A small model and an optimizer that holds references to the model's parameters, across cells:
 # the shape of `model = Net(); opt = SGD(model.parameters())` (numpy: CPU-only CI has no torch).
@@ -52,17 +58,7 @@ def train(steps):
 @pytest.fixture(scope="module")
 def plain_losses():
     """What a plain ipykernel prints for the training cells: the anchor."""
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        outs = []
-        for code in TRAINING:
-            reply, out = run(kc, code)
-            assert reply["status"] == "ok", out
-            outs.append(out["stdout"])
-        return outs
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    return plain_outputs(TRAINING)
 
 
 @pytest.fixture
@@ -79,27 +75,16 @@ def kernel(cluster, request):
     k.close()
 
 
-def executor_id(kernel) -> int:
-    node = executor_node(kernel)
-    return next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
-
-
 def test_training_across_cells_gives_plain_ipykernels_losses(kernel, plain_losses):
     outs = [ok(kernel, code)["stdout"] for code in TRAINING]
     assert outs == plain_losses
     assert float(outs[-1]) < float(outs[1])  # it trains: the optimizer updates the model itself
     # the executor is lost: the next executor's copy of the graph still trains the same model
     os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)
-    again = ok(kernel, "print(opt.params[0] is model.w, f'{train(20):.6f}')", timeout=60)["stdout"].split()
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        for code in TRAINING:
-            run(kc, code)
-        _, anchor = run(kc, "print(opt.params[0] is model.w, f'{train(20):.6f}')")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-    assert again == anchor["stdout"].split() and again[0] == "True"
+    check = "print(opt.params[0] is model.w, f'{train(20):.6f}')"
+    again = ok(kernel, check, timeout=60)["stdout"].split()
+    anchor = plain_outputs([*TRAINING, check])[-1]
+    assert again == anchor.split() and again[0] == "True"
 
 
 def test_shared_objects_stay_shared(kernel):

@@ -16,6 +16,7 @@ from queue import Empty
 import numpy as np
 import pytest
 from jupyter_client import BlockingKernelClient
+from jupyter_client.manager import start_new_kernel
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
@@ -79,6 +80,27 @@ def ok(kernel, code, **kw):
     reply, out = run(kernel.kc, code, **kw)
     assert reply["status"] == "ok", (reply, out)
     return out
+
+
+def executor_id(kernel) -> int:
+    """The replica that runs this kernel's cells now (executors are sticky)."""
+    node = executor_node(kernel)
+    return next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
+
+
+def plain_outputs(cells: list[str], timeout: float = 30) -> list[str]:
+    """What a plain ipykernel prints for ``cells``, in order: the anchor of a side-by-side test."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outs = []
+        for code in cells:
+            reply, out = run(kc, code, timeout=timeout)
+            assert reply["status"] == "ok", out
+            outs.append(out["stdout"])
+        return outs
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def live_replicas(kernel) -> list[int]:
@@ -218,8 +240,7 @@ def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
 
 def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     ok(cpu_kernel, "x = 1")
-    node = executor_node(cpu_kernel)
-    executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    executor = executor_id(cpu_kernel)
     pid = cpu_kernel.pid(executor)
     msg_id = cpu_kernel.kc.execute("x = 100\nprint('running', flush=True)\nimport time; time.sleep(60)")
     wait_for_output(cpu_kernel.kc, msg_id, "running")  # killed mid-cell, not before it started
@@ -342,8 +363,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     n = 4_000_000  # 32 MB of float64: out of band
     ok(cpu_kernel, f"import numpy as np\nbig = np.arange({n}, dtype=np.float64)\n"
                    "twin = big.copy()\ntriplet = big.copy()")
-    node = executor_node(cpu_kernel)
-    executor = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    executor = executor_id(cpu_kernel)
     followers = [r["id"] for r in cpu_kernel.record["replicas"] if r["id"] != executor]
     for rid in followers:  # the store's shared mapping and the values' private ones, same memfd
         eventually(partial(_memfd_maps_at_least, cpu_kernel.pid(rid), 4 * n * 8), 20,
@@ -361,8 +381,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     cmd, env, cwd = _restartable(pid)
     os.kill(pid, signal.SIGKILL)
     ok(cpu_kernel, "twin += 1", timeout=30)
-    node = executor_node(cpu_kernel)
-    second = next(r["id"] for r in cpu_kernel.record["replicas"] if r["node"] == node)
+    second = executor_id(cpu_kernel)
     assert second in followers
     got = blobclient.fetch([addrs[second]], key, d0)  # verified: the in-place write left it intact
     assert np.array_equal(_as_array(got), original)

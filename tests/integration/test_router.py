@@ -182,6 +182,18 @@ async def _hb_answered(port: int, timeout_s: float = 0.5) -> bool:
         sock.close(linger=0)
 
 
+@contextlib.contextmanager
+def _forger(port: int):
+    """A DEALER on the router's shell port and a Session signing with the wrong key."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield Session(key=b"not-the-key", signature_scheme="hmac-sha256"), sock
+    finally:
+        sock.close(linger=0)
+
+
 async def _wait_for(cond, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -273,11 +285,7 @@ async def _count_iopub(kc, parent_id: str, msg_type: str, want: int = 3, wait_s:
 
 async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
     _, info, kc = shared_routed
-    forger = Session(key=b"not-the-key", signature_scheme="hmac-sha256")
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
-    try:
+    with _forger(info["shell_port"]) as (forger, sock):
         with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
             await sock.send_multipart(forger.serialize(forger.msg("kernel_info_request")))
             await sock.send_multipart([b"no delimiter at all"])
@@ -285,8 +293,6 @@ async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
         assert any("bad signature" in r.getMessage() and "client shell" in r.getMessage()
                    for r in caplog.records)
         assert any("malformed" in r.getMessage() for r in caplog.records)
-    finally:
-        sock.close(linger=0)
     reply = await kc.kernel_info(reply=True, timeout=5)
     assert reply["content"]["status"] == "ok"
 
@@ -438,11 +444,7 @@ async def test_held_requests_are_bounded_and_only_signed_ones_held(shared_replic
                                                                                       kc):
         running = kc.execute(f"import os, time\nwhile not os.path.exists({str(go)!r}): "
                              "time.sleep(0.02)")
-        forger = Session(key=b"not-the-key", signature_scheme="hmac-sha256")
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
-        try:
+        with _forger(info["shell_port"]) as (forger, sock):
             with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
                 for _ in range(50):  # a peer without the key makes the router hold nothing
                     await sock.send_multipart(forger.serialize(forger.msg(
@@ -455,8 +457,6 @@ async def test_held_requests_are_bounded_and_only_signed_ones_held(shared_replic
             assert router.held()[0] == 3 and router.held()[1] <= 8192
             assert any(f"dropped execute_request {big}" in r.getMessage() for r in caplog.records)
             assert sum("bad signature" in r.getMessage() for r in caplog.records) == 50
-        finally:
-            sock.close(linger=0)
         go.touch()
         assert (await _reply_to(kc, running))["content"]["status"] == "ok"
         for i in held:

@@ -10,11 +10,9 @@ import os
 import signal
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster
-from tests.integration.test_gpu_cells import run
-from tests.integration.test_replicated import ReplicatedKernel, executor_node, ok
+from tests.integration.test_replicated import ReplicatedKernel, executor_id, ok, plain_outputs
 
 pytest.importorskip("torch")
 
@@ -41,17 +39,7 @@ AFTER = "print(opt.param_groups[0]['params'][0] is next(model.parameters()), rep
 @pytest.fixture(scope="module")
 def plain():
     """What a plain ipykernel prints for the training cells and then AFTER: the anchor."""
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        outs = []
-        for code in [*TRAINING, AFTER]:
-            reply, out = run(kc, code, timeout=120)
-            assert reply["status"] == "ok", out
-            outs.append(out["stdout"])
-        return outs
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    return plain_outputs([*TRAINING, AFTER], timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +62,7 @@ def test_torch_training_across_cells_prints_plain_ipykernels_losses(kernel, plai
     print("plain ipykernel's losses:", losses)
     outs = [ok(kernel, code, timeout=120)["stdout"] for code in TRAINING]
     assert outs == plain[:4]
-    node = executor_node(kernel)  # a cell without history effects on the model
-    executor = next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
-    os.kill(kernel.pid(executor), signal.SIGKILL)
+    os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)  # asking runs a cell that leaves the model be
     after = ok(kernel, AFTER, timeout=120)["stdout"]
     assert after == plain[4]
     assert after.split()[0] == "True"
