@@ -128,13 +128,20 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def summary(nb: nbformat.NotebookNode) -> list[dict]:
     """What a notebook user sees, cell by cell: execution counts, and per output its type, stream
-    name and text, every MIME bundle entry but the PNG, metadata, the PNG's pixel size, error."""
+    name and text (consecutive pieces of one stream joined, as a notebook shows them), every MIME
+    bundle entry but the PNG, metadata, the PNG's pixel size, error."""
     cells = []
     for cell in nb.cells:
         outputs = []
         for out in cell.get("outputs", []):
             o = {"output_type": out["output_type"]}
             if out["output_type"] == "stream":
+                last = outputs[-1] if outputs else {}
+                if last.get("output_type") == "stream" and last["name"] == out["name"]:
+                    # one stream as Jupyter shows it: where a kernel's output stream flushed in
+                    # between (its timer, a busy machine) is not something a user sees
+                    last["text"] += out["text"]
+                    continue
                 o.update(name=out["name"], text=out["text"])
             elif out["output_type"] in ("execute_result", "display_data"):
                 data = dict(out["data"])
