@@ -135,7 +135,9 @@ def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
         os.kill(kernel.pid(behind["id"]), signal.SIGSTOP)
         try:
             try:
-                wait_for(lambda: behind["id"] not in live_replicas(kernel), 30,
+                # bound: the router's hb timeout, plus its start-up grace (30 s) for a replica whose
+                # heartbeat it never heard (seen twice; why it heard none is an open question)
+                wait_for(lambda: behind["id"] not in live_replicas(kernel), 60,
                          "the router to skip the stopped replica")
             except AssertionError as exc:  # seen once: say what the router saw, for the next time
                 rep = kernel.router._replicas[behind["id"]]
