@@ -147,8 +147,10 @@ class _Replica:
     ports: dict[str, int]
     last_seen: float
     live: bool = True
-    answered: bool = False  # has answered a heartbeat at least once
-    grace_s: float = 0.0  # extra time to answer the first heartbeat
+    # Has shown it runs (answered a heartbeat, or welcomed our iopub subscription): from then on
+    # only heartbeats keep it live, without the start-up grace.
+    answered: bool = False
+    grace_s: float = 0.0  # extra time to show it runs
     sockets: dict[str, zmq.asyncio.Socket] = field(default_factory=dict)
     monitors: list[zmq.asyncio.Socket] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -734,6 +736,10 @@ class KernelRouter:
             # replica's outputs reach the router
             if not rep.welcomed:
                 rep.welcomed = True
+                # A welcome proves the replica's sockets (its heartbeat's among them) are up: end
+                # its start-up grace now, or a replica stopped before its first heartbeat echo
+                # would count as live for the whole grace.
+                await self._heard_from(rep)
                 await self._check_open()
             return
         parent_id = msg.parent_id
@@ -787,14 +793,18 @@ class KernelRouter:
         await self._send(self._client.get("stdin_port"), msg.frames, "client stdin")
 
     async def _on_replica_hb(self, frames: list[bytes], rep: _Replica) -> None:
+        if await self._heard_from(rep):
+            await self._check_open()
+
+    async def _heard_from(self, rep: _Replica) -> bool:
+        """The replica runs now. True the first time it shows it."""
         rep.last_seen = time.monotonic()
         first = not rep.answered
         rep.answered = True
         if not rep.live:
             rep.live = True
             self.log.info("replica %s (%s) is alive again", rep.id, rep.address)
-        if first:
-            await self._check_open()
+        return first
 
     # ---------------------------------------------------------------- liveness
 

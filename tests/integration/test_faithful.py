@@ -134,16 +134,10 @@ def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
         behind = next(r for r in kernel.record["replicas"] if r["id"] != executor_id(kernel))
         os.kill(kernel.pid(behind["id"]), signal.SIGSTOP)
         try:
-            try:
-                # bound: the router's hb timeout, plus its start-up grace (30 s) for a replica whose
-                # heartbeat it never heard (seen twice; why it heard none is an open question)
-                wait_for(lambda: behind["id"] not in live_replicas(kernel), 60,
-                         "the router to skip the stopped replica")
-            except AssertionError as exc:  # seen once: say what the router saw, for the next time
-                rep = kernel.router._replicas[behind["id"]]
-                raise AssertionError(f"{exc}; router view of replica {behind['id']} (pid "
-                                     f"{kernel.pid(behind['id'])}): answered={rep.answered} grace={rep.grace_s} "
-                                     f"last_seen {time.monotonic() - rep.last_seen:.1f} s ago") from None
+            # the router's heartbeat timeout (3 s) bounds this, even when the replica is stopped
+            # before it ever echoed a heartbeat (its welcome ended its start-up grace)
+            wait_for(lambda: behind["id"] not in live_replicas(kernel), 30,
+                     "the router to skip the stopped replica")
             for _ in range(5):
                 ok(kernel, "counter += 1", timeout=60)
         finally:

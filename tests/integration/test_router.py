@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -341,6 +342,27 @@ async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(rout
         router.replace_replica({**replicas.infos[1], "id": 7})
     await router.stop()
     await router.stop()  # idempotent
+
+
+async def test_a_welcomed_replica_that_never_echoes_a_heartbeat_is_dead_after_the_timeout(replicas):
+    """The start-up grace covers a replica that has not shown it runs. Once its iopub welcomed the
+    router, its heartbeat must answer within the timeout like any other's: a replica stopped
+    before its first echo was otherwise counted live for the whole grace (30 s)."""
+    for i in range(3):
+        replicas.start(i)
+    with socket.socket() as s:  # a port nothing listens on: replica 0's heartbeat stays silent
+        s.bind(("127.0.0.1", 0))
+        silent = s.getsockname()[1]
+    infos = [{**replicas.infos[0], "hb_port": silent}, replicas.infos[1], replicas.infos[2]]
+    router = KernelRouter(infos, replicas.key, hb_interval_s=0.2, hb_timeout_s=2.0)
+    assert router.startup_grace_s >= 30
+    await router.start()
+    try:
+        assert await _wait_for(lambda: router._replicas[0].welcomed, 30)
+        assert await _wait_for(lambda: 0 not in router.live_replicas(), 10)
+        assert router.live_replicas() == [1, 2]
+    finally:
+        await router.stop()
 
 
 async def _replies(kc, msg_ids: list[str], timeout_s: float = 15) -> dict[str, dict]:
