@@ -115,7 +115,8 @@ def main() -> str:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end).", "",
         "| kernel | until kernel_info answered, median | all | CPU s per process when it answered, median |",
         "|---|---|---|---|",
-        f"| gpuhub CPU kernel, 3 replicas | {g:.2f} s | {', '.join(f'{x:.2f}' for x in gpuhub)} | {rc:.2f} (each replica) |",
+        f"| gpuhub CPU kernel, 3 replicas | {g:.2f} s | {', '.join(f'{x:.2f}' for x in gpuhub)} "
+        f"| {rc:.2f} (each replica) |",
         f"| plain ipykernel | {p:.2f} s | {', '.join(f'{x:.2f}' for x in plain)} | {pc:.2f} |",
         "", f"Ratio: {g / p:.2f}× (goal ≤ 1.5×). CPU per replica ÷ plain: {rc / pc:.2f}×; three replicas "
         f"need {3 * rc:.2f} CPU s, {3 * rc / (os.cpu_count() or 1):.2f} s of this machine's cores at best.", ""])

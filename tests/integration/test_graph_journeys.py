@@ -49,7 +49,7 @@ def _gpuhub_fingerprint(ns):
     return json.dumps([values, shared])
 '''
 _scope: dict = {}
-exec(FINGERPRINT, _scope)  # noqa: S102 - the test's own source, run here as in the kernel
+exec(FINGERPRINT, _scope)  # the test's own source, run here as in the kernel
 fingerprint = _scope["_gpuhub_fingerprint"]
 
 # Replaces the last example's names with the new graph (image.load: views stay views on the way in).
