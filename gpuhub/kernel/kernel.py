@@ -83,6 +83,12 @@ class GpuhubKernel(IPythonKernel):
         self._unfinished_lock = threading.Lock()
         self._startup_notice = self._notebook_dir_notice()
         self._running_here = False  # a CPU cell of this replica is running in-process
+        # CPU kernels: the write tracker for this replica's next cell, armed once the last cell's
+        # idle went out (resident map it was armed over, tracker, known_digest), and the last
+        # cell's tracker, ended then too: neither costs the reply's time (_between_cells).
+        self._next_tracker: tuple[dict, object, object] | None = None
+        self._spent_tracker = None
+        self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         if self.gpus > 0:
@@ -311,8 +317,7 @@ class GpuhubKernel(IPythonKernel):
         began = time.monotonic()
         if self.gpus == 0:
             # Large buffers no write touched keep their digest (gpuhub/kernel/dirty.py): not hashed again.
-            tracker, known_digest = images.track(rep.resident, mode="in-process",
-                                                 sentinel=rep.settings.write_tracking == "sentinel")
+            tracker, known_digest = self._tracker_for_cell()
             rep.resident = {}  # the cell may write any buffer of the namespace
             self._running_here = True
             try:
@@ -321,8 +326,9 @@ class GpuhubKernel(IPythonKernel):
                 cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
             finally:
                 self._running_here = False
-                if tracker is not None:
-                    tracker.close()  # ends the sentinel, if any: written pages are no longer held twice
+                # ended after the idle: its sentinel, if any, holds the pages the cell wrote twice
+                # until then (a few milliseconds), and ending it costs the reply nothing
+                self._spent_tracker = tracker
             self._warn_unreplicable(cap.failed)
             entry = rep.store_image(cap.stream, cap.names, cap.sized_buffers(), live=True)
         else:
@@ -355,7 +361,48 @@ class GpuhubKernel(IPythonKernel):
             return reply
         if self.gpus > 0 and not rep.sync_namespace(shell.user_ns, shell.user_ns_hidden):
             log.error("replica %d could not load the image of its own cell", rep.id)  # next cell retries
+        self._arm_after_idle = self.gpus == 0  # this replica likely runs the next cell too
         return reply
+
+    def _tracker_for_cell(self):
+        """The write tracker for a CPU cell about to run here: the one armed after the last cell
+        when it was armed over the buffers this replica still holds, else one armed now."""
+        rep = self.replica
+        ready, self._next_tracker = self._next_tracker, None
+        if ready is not None:
+            resident, tracker, known_digest = ready
+            if resident is rep.resident:
+                return tracker, known_digest
+            if tracker is not None:
+                tracker.close()  # armed over buffers this replica no longer holds (it followed a cell)
+        return images.track(rep.resident, mode="in-process",
+                            sentinel=rep.settings.write_tracking == "sentinel")
+
+    async def dispatch_shell(self, *args, **kwargs):
+        await super().dispatch_shell(*args, **kwargs)
+        self._between_cells()
+
+    def _between_cells(self) -> None:
+        """After a request's idle went out: end the last CPU cell's tracker and arm the next one.
+
+        Arming (for 1 GiB of arrays: a sentinel fork, the page map and a word of every page, about
+        20 ms on the dev VM) then costs a notebook's user nothing, who reads the output meanwhile.
+        A write between cells (a background thread's) is seen by the next cell's capture when it
+        comes after this arming; one in the milliseconds between the capture and here is not."""
+        spent, self._spent_tracker = self._spent_tracker, None
+        if spent is not None:
+            spent.close()  # its sentinel ends: pages the cell wrote are no longer held twice
+        if not self._arm_after_idle or self.replica is None or self.replica.closing:
+            return
+        self._arm_after_idle = False
+        rep = self.replica
+        try:
+            tracker, known_digest = images.track(rep.resident, mode="in-process",
+                                                 sentinel=rep.settings.write_tracking == "sentinel")
+        except Exception:  # the next cell arms its own (and hashes what it cannot vouch for)
+            log.exception("replica %d: arming the write tracker for the next cell failed", rep.id)
+            return
+        self._next_tracker = (rep.resident, tracker, known_digest)
 
     def _warn_unreplicable(self, failed: dict[str, str]) -> None:
         """Warn once per value that cannot travel (not again every cell while it stays)."""
