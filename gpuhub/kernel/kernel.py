@@ -25,9 +25,8 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import child, dirty
+from gpuhub.kernel import dirty
 from gpuhub.kernel import image as images
-from gpuhub.kernel.lease_client import LeaseClient, LeaseError
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
@@ -72,7 +71,13 @@ class GpuhubKernel(IPythonKernel):
         super().__init__(**kwargs)
         self.gpus = int(os.environ.get("GPUHUB_KERNEL_GPUS", "0") or 0)
         self.grant_timeout_s = float(os.environ.get("GPUHUB_GRANT_TIMEOUT_S", "300"))
-        self.lease_client = LeaseClient.from_env()
+        self.lease_client = None
+        if self.gpus > 0:
+            # GPU kernels only: CPU cells need no lease, and its HTTP client (urllib3) would cost
+            # every replica's start ~30 ms of CPU (as gpuhub.kernel.child costs ~10 ms).
+            from gpuhub.kernel.lease_client import LeaseClient
+
+            self.lease_client = LeaseClient.from_env()
         # A GPU cell's process exits and its grant ends after the reply (gpuhub/kernel/reaper.py).
         self.reaper = CellReaper(self.lease_client.release if self.lease_client else lambda grant: None)
         self._child_pid: int | None = None
@@ -92,6 +97,8 @@ class GpuhubKernel(IPythonKernel):
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         if self.gpus > 0:
+            from gpuhub.kernel import child
+
             child.warm_up(self.shell)  # every GPU cell's child starts from these caches
         self.replica = Replica.from_env(self.session.key, cells_in_process=self.gpus == 0)
         if self.replica is None and self.gpus > 0:
@@ -304,6 +311,8 @@ class GpuhubKernel(IPythonKernel):
             return None
         if self.lease_client is None:
             return None
+        from gpuhub.kernel.lease_client import LeaseError
+
         try:
             return self.lease_client.try_grant(self.gpus)
         except LeaseError as exc:
@@ -469,6 +478,8 @@ class GpuhubKernel(IPythonKernel):
         the namespace image (not stored yet; None when it died). The grant ends once the child has
         exited: at once if it died, otherwise on the reaper's thread, so that neither its exit nor
         the release delays the reply."""
+        from gpuhub.kernel import child  # imported at start by GPU kernels (__init__)
+
         rep = self.replica
         # As IPython 9's run_cell: the prompt number moves on when the cell starts, so the child's
         # outputs (Out[n], _n) and the ones relayed here carry this cell's number.

@@ -15,8 +15,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from gpuhub.kernel.lease_client import Lease
+if TYPE_CHECKING:  # at run time only GPU kernels import the lease client (gpuhub/kernel/kernel.py)
+    from gpuhub.kernel.lease_client import Lease
 
 log = logging.getLogger("gpuhub.kernel")
 
