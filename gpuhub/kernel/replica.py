@@ -165,6 +165,7 @@ class Replica:
         self._image_key: tuple | None = None
         self._pending_key: tuple | None = None
         self._referenced: set[str] = set()  # blobs of the images loaded or committed here
+        self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -461,15 +462,19 @@ class Replica:
         images.install(ns, hidden, self.load_image(entry), known)
 
     def _forget_old_blobs(self) -> None:
-        """Drop the blobs of images older than the committed one. Only those: a blob pushed for a
-        cell not committed yet (its executor pushes before it commits) may already be here, and
-        this replica will need it to load that cell's image."""
+        """Drop the blobs no image needs any more: those of images older than the committed one,
+        and blobs that were already here, unused, when the last image came (pushed for a cell
+        whose commit lost: an abort won, or the majority was lost). Not a blob that arrived since:
+        it may be for a cell not committed yet (its executor pushes before it commits), which this
+        replica will need. Dropping one too early would cost a fetch from a peer, never data."""
         with self.state.changed:
             current = self.state.image
         keep = current.blob_digests() if current is not None else set()
-        self._referenced |= keep
-        self.store.discard(self._referenced - keep)
+        present = self.store.digests()
+        orphans = self._unreferenced & present
+        self.store.discard((self._referenced | orphans) - keep)
         self._referenced = keep
+        self._unreferenced = present - keep - orphans
 
     def up_to_date(self) -> bool:
         """This replica's namespace holds the last committed image."""
