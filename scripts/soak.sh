@@ -27,7 +27,8 @@ for i in $(seq 1 "$runs"); do
     git -C "$clone" checkout -q "$ref"
     start=$(date +%s)
     if (cd "$clone" && CI=true bash .ci/run) >"$logdir/run$i.log" 2>&1; then
-        echo "soak: run $i passed in $(($(date +%s) - start)) s ($(grep -E '[0-9]+ passed' "$logdir/run$i.log" | tail -2 | tr '\n' ' '))"
+        summary=$(sed 's/\x1b\[[0-9;]*m//g' "$logdir/run$i.log" | grep -oE '[0-9]+ passed[^=]* in [0-9.]+s' | tr '\n' ';')
+        echo "soak: run $i passed in $(($(date +%s) - start)) s ($summary)"
         rm -rf "$clone"
     else
         echo "soak: run $i FAILED after $(($(date +%s) - start)) s; log $logdir/run$i.log, clone kept in $clone"
