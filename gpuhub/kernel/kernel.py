@@ -384,8 +384,12 @@ class GpuhubKernel(IPythonKernel):
                 return tracker, known_digest
             if tracker is not None:
                 tracker.close()  # armed over buffers this replica no longer holds (it followed a cell)
-        return images.track(rep.resident, mode="in-process",
-                            sentinel=rep.settings.write_tracking == "sentinel")
+        return self._arm_tracker()
+
+    def _arm_tracker(self):
+        """A write tracker over the buffers of the last image this replica holds, and its known_digest."""
+        rep = self.replica
+        return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "sentinel")
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)
@@ -406,8 +410,7 @@ class GpuhubKernel(IPythonKernel):
         self._arm_after_idle = False
         rep = self.replica
         try:
-            tracker, known_digest = images.track(rep.resident, mode="in-process",
-                                                 sentinel=rep.settings.write_tracking == "sentinel")
+            tracker, known_digest = self._arm_tracker()
         except Exception:  # the next cell arms its own (and hashes what it cannot vouch for)
             log.exception("replica %d: arming the write tracker for the next cell failed", rep.id)
             return

@@ -739,7 +739,7 @@ class KernelRouter:
                 # A welcome proves the replica's sockets (its heartbeat's among them) are up: end
                 # its start-up grace now, or a replica stopped before its first heartbeat echo
                 # would count as live for the whole grace.
-                await self._heard_from(rep)
+                self._heard_from(rep)
                 await self._check_open()
             return
         parent_id = msg.parent_id
@@ -793,10 +793,10 @@ class KernelRouter:
         await self._send(self._client.get("stdin_port"), msg.frames, "client stdin")
 
     async def _on_replica_hb(self, frames: list[bytes], rep: _Replica) -> None:
-        if await self._heard_from(rep):
+        if self._heard_from(rep):
             await self._check_open()
 
-    async def _heard_from(self, rep: _Replica) -> bool:
+    def _heard_from(self, rep: _Replica) -> bool:
         """The replica runs now. True the first time it shows it."""
         rep.last_seen = time.monotonic()
         first = not rep.answered
