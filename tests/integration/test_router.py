@@ -22,7 +22,6 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 from jupyter_client.session import Session
 
-from gpuhub.agent.ports import JUPYTER_PORTS, free_ports
 from gpuhub.server.router import KernelRouter
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
@@ -48,19 +47,6 @@ IPKernelApp.launch_instance(kernel_class=Marked)
 """
 
 
-# Below Linux's ephemeral range (32768-60999), as the agent's kernel_ports are: an outgoing
-# connection of this busy machine cannot take a port between its choice and the kernel's bind (one
-# did, and a replica died with EADDRINUSE). Ports handed out once are never handed out again.
-TEST_PORTS = (30000, 32767)
-_handed_out: set[int] = set()
-
-
-def _test_ports(n: int) -> list[int]:
-    ports = free_ports("127.0.0.1", n, *TEST_PORTS, _handed_out)
-    _handed_out.update(ports)
-    return ports
-
-
 class Replicas:
     """Plain ipykernel processes sharing one key, each on its own ports."""
 
@@ -74,8 +60,7 @@ class Replicas:
     def start(self, rid: int, role: str | None = None) -> dict:
         self._n += 1
         fname = str(self.tmp / f"replica-{rid}-{self._n}.json")
-        ports = dict(zip(JUPYTER_PORTS, _test_ports(len(JUPYTER_PORTS)), strict=True))
-        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256", **ports)
+        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256")
         with open(fname) as f:
             cfg = json.load(f)
         env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
