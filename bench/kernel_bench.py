@@ -87,8 +87,7 @@ def main() -> str:
             for kc in kernels.values():
                 kc.stop_channels()
         finally:
-            agent.stop_units()
-            agent.stop()
+            agent.close()
             km.shutdown_kernel(now=True)
     anchor = statistics.median(results["plain ipykernel (anchor)"])
     for label, times in results.items():

@@ -68,8 +68,7 @@ def main() -> str:
             bare.close()
             client.http.close()
         finally:
-            agent.stop_units()
-            agent.stop()
+            agent.close()
     anchor = statistics.median(times["bare http.client"])
     rows = []
     for label, ts in times.items():

@@ -78,8 +78,7 @@ def make_agent(tmp_path):
 
     yield make
     for a in agents:
-        a.stop_units()
-        a.stop()
+        a.close()
 
 
 @pytest.fixture

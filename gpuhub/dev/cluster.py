@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tomli_w
 
+from gpuhub.dev.portblocks import reserve_block
 from gpuhub.platform.http_client import ApiClientError, default_client
 
 
@@ -35,9 +36,9 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, tmp: Path, name: str, gpus: int, extra: dict | None = None,
-                 port_block: int | None = None) -> None:
-        """``extra``: more agent.toml settings (gpuhub.agent.config.AgentConfig), overriding these."""
+    def __init__(self, tmp: Path, name: str, gpus: int, extra: dict | None = None) -> None:
+        """``extra``: more agent.toml settings (gpuhub.agent.config.AgentConfig), overriding these.
+        The agent hands out kernel ports from a block it owns until ``stop`` (gpuhub.dev.portblocks)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,13 +48,12 @@ class AgentProcess:
         token_file = self.dir / "secrets" / "agent.token"
         token_file.write_text(self.token)
         token_file.chmod(0o600)
-        # Agents on one host: each gets its own block of kernel ports, so two never hand out one port.
-        block = secrets.randbelow(14) if port_block is None else port_block % 14
+        self.ports = reserve_block()
         settings = {
             "node_name": name, "listen_address": "127.0.0.1", "port": self.port, "kernel_ip": "127.0.0.1",
             "token_file": str(token_file), "state_dir": str(self.dir / "state"),
             "runtime_dir": str(self.dir / "run"), "unit_backend": "process", "min_uid": 0,
-            "lease_check_interval_s": 0.5, "kernel_ports": [20000 + 700 * block, 20000 + 700 * block + 699],
+            "lease_check_interval_s": 0.5, "kernel_ports": [self.ports.first, self.ports.last],
             "gpus": {"backend": "fake" if gpus else "none",
                      "fake": [{"name": "Fake GPU", "memory_mib": 16384} for _ in range(gpus)]},
             **(extra or {}),
@@ -119,6 +119,13 @@ class AgentProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(10)
+
+    def close(self) -> None:
+        """The end of this agent: its units, its process, then its port block. (``stop`` alone
+        keeps the block: an agent restarted on the same config hands out the same ports.)"""
+        self.stop_units()
+        self.stop()
+        self.ports.close()
 
     def call(self, method: str, path: str, body=None, token: str | None = "admin", raw: bytes | None = None):
         if token == "admin":
@@ -214,14 +221,11 @@ class DevCluster:
     def start(self, timeout_s: float = 30) -> DevCluster:
         self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
                                           self.node_timeout_s, self.replica_dead_grace_s).start()
-        # Consecutive port blocks from a random start: two clusters on one machine (parallel test
-        # runs) seldom probe the same ports, and this cluster's agents never share one.
-        first_block = secrets.randbelow(14)
         for i in range(self.nodes):
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)
             token_file.chmod(0o600)
-            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, port_block=first_block + i, extra={
+            a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, extra={
                 "scheduler_url": self.scheduler.url, "scheduler_token_file": str(token_file),
                 "heartbeat_interval_s": 0.5})
             a.token = self.agent_token
@@ -252,8 +256,7 @@ class DevCluster:
         if self.scheduler is not None:
             self.scheduler.stop()
         for a in self.agents:
-            a.stop_units()
-            a.stop()
+            a.close()
 
 
 class LoopThread:

@@ -3,10 +3,30 @@
 import logging
 import os
 import sys
+import threading
 
 from ipykernel.kernelapp import IPKernelApp
 
 from gpuhub.kernel.kernel import GpuhubKernel
+
+
+def _exit_when_the_heartbeat_dies() -> None:
+    """ipykernel's heartbeat is a thread that binds its port on its own: if the bind fails (the port
+    was taken meanwhile), the thread dies and the kernel runs on without it, never counted live by
+    its router but still voting in its Raft group. Exit instead, loudly, so that the unit's restart
+    (or the scheduler's replacement) brings a whole replica back."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is None or args.thread.name != "Heartbeat":
+            previous(args)
+            return
+        logging.getLogger("gpuhub.kernel").critical(
+            "the heartbeat thread failed; exiting, since the router cannot see this replica without it",
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+        os._exit(3)
+
+    threading.excepthook = hook
 
 
 def main() -> None:
@@ -15,6 +35,7 @@ def main() -> None:
     journal = os.fdopen(os.dup(sys.__stderr__.fileno()), "w", buffering=1)
     logging.basicConfig(level=os.environ.get("GPUHUB_LOG_LEVEL", "INFO"), stream=journal,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _exit_when_the_heartbeat_dies()
     argv = sys.argv[1:]
     if os.environ.get("GPUHUB_PEERS_FILE"):
         # Replicas keep the session's history in memory: three replicas writing one SQLite file

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpuhub.dev.cluster import free_port
+from gpuhub.dev.portblocks import PortBlock, reserve_block
 from gpuhub.replication.log import ImageEntry, RaftGroup, RaftUnavailable, raft_password
 
 KEY = b"kernel-connection-key"
@@ -53,8 +53,16 @@ def make_group():
         wait_until(lambda g=g: g.stopped, 10)
 
 
+_ports: PortBlock | None = None
+
+
 def addrs(n: int) -> list[str]:
-    return [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    """Addresses on ports of a block this test process holds, never handed out twice: a port
+    from the OS (bound to 0 and closed) could be taken again before a Raft peer binds it."""
+    global _ports
+    if _ports is None:
+        _ports = reserve_block()  # given back when the test process exits
+    return [f"127.0.0.1:{port}" for port in _ports.take(n)]
 
 
 def names_of(img: ImageEntry | None) -> dict[str, bytes]:

@@ -22,7 +22,8 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 from jupyter_client.session import Session
 
-from gpuhub.server.router import KernelRouter
+from gpuhub.dev.portblocks import reserve_block
+from gpuhub.server.router import PORT_KEYS, KernelRouter
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
 # answers late, so a router that took the first reply would pick a follower's. It notes every
@@ -48,10 +49,13 @@ IPKernelApp.launch_instance(kernel_class=Marked)
 
 
 class Replicas:
-    """Plain ipykernel processes sharing one key, each on its own ports."""
+    """Plain ipykernel processes sharing one key, each on its own ports: ports of a block this
+    process holds, never handed out twice (an ephemeral port from the OS could be taken by an
+    outgoing connection before the kernel binds it: a soak run lost a replica so)."""
 
     def __init__(self, tmp_path):
         self.tmp = tmp_path
+        self.ports = reserve_block()
         self.key = uuid.uuid4().hex.encode()
         self.procs: dict[int, subprocess.Popen] = {}
         self.infos: dict[int, dict] = {}
@@ -60,7 +64,8 @@ class Replicas:
     def start(self, rid: int, role: str | None = None) -> dict:
         self._n += 1
         fname = str(self.tmp / f"replica-{rid}-{self._n}.json")
-        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256")
+        ports = dict(zip(PORT_KEYS, self.ports.take(len(PORT_KEYS)), strict=True))
+        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256", **ports)
         with open(fname) as f:
             cfg = json.load(f)
         env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
@@ -71,8 +76,7 @@ class Replicas:
             [sys.executable, *head, "-f", fname, "--HistoryManager.enabled=False"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"replica-{rid}-{self._n}.log", "wb"))  # noqa: SIM115
         self.infos[rid] = {"id": rid, "ip": "127.0.0.1",
-                           **{k: cfg[k] for k in ("shell_port", "iopub_port", "stdin_port",
-                                                  "control_port", "hb_port")}}
+                           **{k: cfg[k] for k in PORT_KEYS}}
         return self.infos[rid]
 
     def kill(self, rid: int) -> None:
@@ -90,6 +94,7 @@ class Replicas:
             if p.poll() is None:
                 p.kill()
                 p.wait(5)
+        self.ports.close()
 
 
 @contextlib.asynccontextmanager

@@ -275,7 +275,7 @@ class Gpuhub:
         self.dev.stop()
         hub = self.agents.get("hub1")
         if hub is not None:
-            hub.stop()
+            hub.close()
 
 
 def start_gpuhub(tmp: Path) -> Gpuhub:
