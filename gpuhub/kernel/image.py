@@ -12,6 +12,12 @@ leave the stream out of band and are named by content digest. A buffer the group
 neither copied nor sent again; with :mod:`gpuhub.kernel.dirty` it is not even hashed. So a cell
 costs what it changed in bytes, plus one pass over the namespace's small objects.
 
+Functions and classes defined in the notebook keep the namespace itself as their globals: the
+pickle names the captured namespace where a function's ``__globals__`` is it, and a load binds
+them to the loading replica's own namespace (:func:`load`'s ``namespace``). cloudpickle alone
+gives each loaded function a private copy of the globals it used, so ``global n; n += 1`` in a
+function defined in an earlier cell would count in that copy after a failover, never in ``n``.
+
 What is replicated: every name of ``user_ns`` except IPython's own (``user_ns_hidden``) and its
 input history names (``_i``, ``_ii``, ``_i3`` …: each replica records the inputs itself). The
 output history *is* replicated: ``_``, ``__``, ``___``, ``_3`` and ``Out`` (whose entries that
@@ -26,6 +32,7 @@ import io
 import pickle
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -101,11 +108,34 @@ def _view_of(base, offset: int, shape: tuple, strides: tuple, dtype):
     return np.ndarray(shape, dtype=dtype, buffer=base, offset=offset, strides=strides)
 
 
+class _NamespaceMarker:
+    """Stands in a pickle for the captured namespace, where notebook functions have it as globals."""
+
+
+_NAMESPACE = _NamespaceMarker()
+_loading = threading.local()  # the namespace a load on this thread binds notebook functions to
+
+
+def _namespace() -> dict:
+    """The loading replica's namespace (see the module docstring): what ``_NAMESPACE`` loads as."""
+    return _loading.namespace
+
+
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus numpy views kept as views of their (shared) base, and GPU tensors sent
-    from the host with their logical device (:mod:`gpuhub.kernel.devices`)."""
+    """cloudpickle, plus numpy views kept as views of their (shared) base, GPU tensors sent from
+    the host with their logical device (:mod:`gpuhub.kernel.devices`), and notebook functions'
+    globals sent as a reference to the namespace (``namespace``: the one being captured)."""
+
+    def __init__(self, file, *, namespace: dict | None = None, **kw) -> None:
+        super().__init__(file, **kw)
+        if namespace is not None:
+            # cloudpickle looks a function's future globals up here by id (functions sharing
+            # globals share them once loaded): the namespace's entry is the marker
+            self.globals_ref[id(namespace)] = _NAMESPACE
 
     def reducer_override(self, obj):
+        if obj is _NAMESPACE:
+            return _namespace, ()
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and isinstance(obj.base, np.ndarray):
             base = obj.base
@@ -121,9 +151,9 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dumps(value, take: Callable[[pickle.PickleBuffer], bool]) -> bytes:
+def _dumps(value, take: Callable[[pickle.PickleBuffer], bool], namespace: dict | None = None) -> bytes:
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=take).dump(value)
+    _Pickler(out, protocol=5, buffer_callback=take, namespace=namespace).dump(value)
     return out.getvalue()
 
 
@@ -162,7 +192,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     while True:
         buffers.clear()
         try:
-            stream = _dumps(image, take)
+            stream = _dumps(image, take, ns)
             break
         except Exception as exc:
             # Find what cannot be pickled, name by name, and leave it out (rare: costs a second pass).
@@ -179,10 +209,20 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     return Capture(stream, buffers, [known_digest(b) for b in buffers], list(image), failed)
 
 
-def load(stream, buffers: list) -> dict:
+def load(stream, buffers: list, namespace: dict | None = None) -> dict:
     """The ``{name: value}`` an image holds; ``buffers`` supply its out-of-band buffers, in order
-    (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py)."""
-    return pickle.loads(stream, buffers=buffers)
+    (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py).
+    ``namespace``: the one the values are for (:func:`install` them there next): notebook
+    functions get it as their globals; without it they share a new dict."""
+    target = namespace if namespace is not None else {}
+    builtins = target.get("__builtins__")
+    _loading.namespace = target
+    try:
+        return pickle.loads(stream, buffers=buffers)
+    finally:
+        del _loading.namespace
+        if builtins is not None:  # cloudpickle sets its own module's (a dict) on functions' globals
+            target["__builtins__"] = builtins
 
 
 def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -> None:

@@ -437,15 +437,16 @@ class Replica:
         copy_into(memoryview(copy), memoryview(data).cast("B"))
         return memoryview(copy)
 
-    def load_image(self, entry: ImageEntry) -> dict:
-        """The ``{name: value}`` of a committed image, built on this replica's memory."""
+    def load_image(self, entry: ImageEntry, namespace: dict | None = None) -> dict:
+        """The ``{name: value}`` of a committed image, built on this replica's memory, for
+        ``namespace`` (notebook functions' globals, see gpuhub/kernel/image.py)."""
         if entry.inline is not None:
             stream = self.sealer.open(entry.inline)
         else:
             stream = bytes(self._blob(entry.stream_digest))
         used: set[str] = set()
         buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]
-        value = images.load(stream, buffers)
+        value = images.load(stream, buffers, namespace)
         self._image_key = (digest(stream), entry.buffers, entry.names)
         self.resident = {}
         for (d, _), mv in zip(entry.buffers, buffers, strict=True):
@@ -459,7 +460,7 @@ class Replica:
         """Load ``entry`` and make it ``ns``'s replicated part (names the previous image did not
         have, i.e. values that could not be replicated, stay)."""
         known = self._image_key[2] if self._image_key is not None else None
-        images.install(ns, hidden, self.load_image(entry), known)
+        images.install(ns, hidden, self.load_image(entry, ns), known)
 
     def _forget_old_blobs(self) -> None:
         """Drop the blobs no image needs any more: those of images older than the committed one,

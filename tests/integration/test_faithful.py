@@ -97,6 +97,19 @@ def test_shared_objects_stay_shared(kernel):
     assert out["stdout"].split() == ["True", "[1,", "2]", "5.0"]
 
 
+def test_a_function_from_an_earlier_cell_rebinds_the_notebooks_globals(kernel):
+    """``global n`` in a function defined in an earlier cell: on a GPU kernel every cell's child
+    and then the replica load it, and after a failover another replica does; the function must
+    still count in the notebook's ``n``, as in a plain ipykernel."""
+    cells = ["n = 0\ndef mark():\n    global n\n    n += 1\n    return n", "mark()",
+             "print(mark(), n)", "n = 10\nprint(mark(), n)"]
+    anchor = plain_outputs(cells)
+    assert [ok(kernel, code)["stdout"] for code in cells] == anchor
+    os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)  # a follower's copy takes over
+    after = ok(kernel, "print(mark(), n)", timeout=60)["stdout"]
+    assert after == plain_outputs([*cells, "print(mark(), n)"])[-1] == "12 12\n"
+
+
 def test_output_history_and_prompts_match_ipykernel(kernel):
     msg_id = kernel.kc.execute("6 * 7")
     reply = kernel.kc.get_shell_msg(timeout=30)

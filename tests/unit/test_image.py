@@ -120,6 +120,28 @@ def test_install_updates_out_in_place_and_removes_names_that_are_gone():
     assert ns == {"x": 5, "Out": {2: "new"}, "_i1": "x = 1"} and ns["Out"] is out
 
 
+def test_functions_defined_in_the_notebook_keep_the_namespace_as_their_globals():
+    """A function defined in a cell reads and rebinds the notebook's globals (``global n``). After
+    a load on another replica it must do so in that replica's namespace, not in a private copy of
+    the names it used (cloudpickle's default): else ``n`` stays put while the function counts."""
+    import builtins
+
+    ns: dict = {"n": 0}
+    exec("import math\ndef mark():\n    global n\n    n += 1\n    return math.floor(n)\n"
+         "def twice():\n    mark()\n    return mark()\n", ns)
+    cap = images.capture(ns, HIDDEN)
+    target: dict = {"__builtins__": builtins}
+    images.install(target, HIDDEN, images.load(cap.stream, list(cap.buffers), namespace=target))
+    assert target["twice"]() == 2 and target["n"] == 2
+    assert target["mark"].__globals__ is target and target["twice"].__globals__ is target
+    assert target["__builtins__"] is builtins  # the namespace's own, not cloudpickle's
+    target["n"] = 10  # a later cell rebinds n: the functions see it
+    assert target["mark"]() == 11
+    # loaded without a namespace (a tool reading an image), the functions share one globals dict
+    loaded = images.load(cap.stream, list(cap.buffers))
+    assert loaded["twice"]() == 2 and loaded["mark"].__globals__ is loaded["twice"].__globals__
+
+
 def test_large_buffers_leave_the_stream_and_known_digests_are_used():
     big = np.ones(300_000)
     cap = images.capture({"big": big, "small": np.ones(3)}, HIDDEN, known_digest=lambda mv: "d" * 64)
