@@ -280,8 +280,8 @@ class GpuhubKernel(IPythonKernel):
             log.debug("cell %s: run under the lease", cell)
             return await self._execute_here(cell, 0, grant, code, silent, store_history, user_expressions,
                                             allow_stdin, cell_meta, cell_id)
-        outcome = await asyncio.to_thread(rep.wait_for_holder, cell, holder, self.shell.execution_count + 1,
-                                          lambda: self._note(cell).get("to"))
+        outcome = rep.wait_for_holder(cell, holder, self.shell.execution_count + 1,
+                                      lambda: self._note(cell).get("to"))
         if outcome is None:
             return None
         return self._follow(outcome, code, store_history, silent)
