@@ -218,11 +218,18 @@ def test_a_lost_majority_is_an_error_reply_and_the_cell_runs_once_replicas_are_b
         assert reply["status"] == "error" and reply["ename"] == "ReplicasUnavailable", (reply, out)
         assert "majority" in reply["evalue"]
         print(f"lost majority answered in {took:.1f} s")  # the goal (5 s) is a benchmark's, not asserted
+        # The executor ran the cell under its lease (no commit before a cell): whether its result
+        # is kept is up to the log once replicas are back (Raft keeps an entry its leader appended,
+        # unless a replica without it becomes leader); the reply says the cell ran.
+        assert "the cell ran" in reply["evalue"]
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         stopped = []
-        out = ok(kernel, "x += 1\nprint(x)", timeout=60)
-        assert out["stdout"].strip() == "2"  # the failed attempt changed nothing
+        x = int(ok(kernel, "x += 1\nprint(x)", timeout=60)["stdout"])
+        assert x in (2, 3)  # the cell ran once here: on x = 1, or on the kept x = 2
+        wait_for(lambda: len(live_replicas(kernel)) == 3, 30, "every replica live again")
+        ok(kernel, "pass")  # a replica the router skipped meanwhile loads the image with its next cell
+        assert {rid: kernel.namespace(rid, ["x"])["x"] for rid in range(3)} == dict.fromkeys(range(3), str(x))
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
