@@ -305,8 +305,7 @@ class Replica:
         (the executor of the last completed cell, unless its lease was revoked), and whether an
         election for it has begun."""
         with self.state.changed:
-            begun = any(key[0] == cell for key in self.state.elections)
-            return self.state.outcomes.get(cell), self.state.previous_executor, begun
+            return self.state.outcomes.get(cell), self.state.previous_executor, self.state.election_begun(cell)
 
     def catch_up(self) -> None:
         """Apply everything committed so far: commit a barrier and wait until it is applied here.
@@ -328,7 +327,7 @@ class Replica:
         elected executor is lost (a cell runs at most once)."""
         def moved() -> bool:
             to = handed_to()
-            return (cell in self.state.outcomes or any(key[0] == cell for key in self.state.elections)
+            return (cell in self.state.outcomes or self.state.election_begun(cell)
                     or (to is not None and holder not in to))
 
         return self._watch(cell, holder, execution_count, moved, "that was to run this cell")

@@ -104,11 +104,15 @@ class KernelLog(SyncObjConsumer):
             self.elections[key] = Election(cell, attempt, previous, self.members)
         return self.elections[key]
 
+    def election_begun(self, cell: str) -> bool:
+        """Whether an election (any attempt) for ``cell`` has an entry and the cell has not ended."""
+        return any(key[0] == cell for key in self.elections)
+
     def holds_lease(self, cell: str, replica: int) -> bool:
         """Whether ``replica`` may run ``cell`` under the executor lease: it executed the last
         completed cell, nothing has ended ``cell`` and no election for it has begun."""
         return (self.previous_executor == replica and cell not in self.outcomes
-                and not any(key[0] == cell for key in self.elections))
+                and not self.election_begun(cell))
 
     def _finish(self, cell: str, outcome: CellOutcome) -> None:
         self.outcomes[cell] = outcome

@@ -582,7 +582,7 @@ class Kernels:
         log = sim.logs[r]
         cell, att, phase = CELLS[i], self.attempt[r], self.phase[r]
         ended = cell in log.outcomes
-        begun = any(key[0] == cell for key in log.elections)
+        begun = log.election_begun(cell)
         if action == "act" and ended and phase != "barrier":
             return self.advance(r)
         if phase == "start" and action == "act":
