@@ -479,7 +479,8 @@ class GpuhubKernel(IPythonKernel):
         Arming (for 1 GiB of arrays: a sentinel fork, the page map and a word of every page, about
         20 ms on the dev VM) then costs a notebook's user nothing, who reads the output meanwhile.
         A write between cells (a background thread's) is seen by the next cell's capture when it
-        comes after this arming; one in the milliseconds between the capture and here is not."""
+        comes after this arming began (the sentinel's fork); one in the milliseconds between the
+        capture and here is not."""
         spent, self._spent_tracker = self._spent_tracker, None
         if spent is not None:
             spent.close()  # its sentinel ends: pages the cell wrote are no longer held twice
