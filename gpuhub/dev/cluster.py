@@ -38,7 +38,7 @@ def free_port() -> int:
 class AgentProcess:
     def __init__(self, tmp: Path, name: str, gpus: int, extra: dict | None = None) -> None:
         """``extra``: more agent.toml settings (gpuhub.agent.config.AgentConfig), overriding these.
-        The agent hands out kernel ports from a block it owns until ``stop`` (gpuhub.dev.portblocks)."""
+        The agent hands out kernel ports from a block it owns until ``close`` (gpuhub.dev.portblocks)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

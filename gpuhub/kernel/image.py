@@ -117,8 +117,10 @@ _loading = threading.local()  # the namespace a load on this thread binds notebo
 
 
 def _namespace() -> dict:
-    """The loading replica's namespace (see the module docstring): what ``_NAMESPACE`` loads as."""
-    return _loading.namespace
+    """What ``_NAMESPACE`` loads as: the namespace :func:`load` was given, else a new dict (one per
+    pickle: the pickle's memo shares it among the functions that had the namespace as globals)."""
+    namespace = getattr(_loading, "namespace", None)
+    return {} if namespace is None else namespace
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -130,7 +132,8 @@ class _Pickler(cloudpickle.Pickler):
         super().__init__(file, **kw)
         if namespace is not None:
             # cloudpickle looks a function's future globals up here by id (functions sharing
-            # globals share them once loaded): the namespace's entry is the marker
+            # globals share them once loaded): the namespace's entry is the marker. globals_ref
+            # is cloudpickle's own attribute (3.x): tests/unit/test_image.py fails if it changes
             self.globals_ref[id(namespace)] = _NAMESPACE
 
     def reducer_override(self, obj):
@@ -214,15 +217,16 @@ def load(stream, buffers: list, namespace: dict | None = None) -> dict:
     (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py).
     ``namespace``: the one the values are for (:func:`install` them there next): notebook
     functions get it as their globals; without it they share a new dict."""
-    target = namespace if namespace is not None else {}
-    builtins = target.get("__builtins__")
-    _loading.namespace = target
+    if namespace is None:
+        return pickle.loads(stream, buffers=buffers)
+    builtins = namespace.get("__builtins__")
+    _loading.namespace = namespace
     try:
         return pickle.loads(stream, buffers=buffers)
     finally:
         del _loading.namespace
         if builtins is not None:  # cloudpickle sets its own module's (a dict) on functions' globals
-            target["__builtins__"] = builtins
+            namespace["__builtins__"] = builtins
 
 
 def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -> None:
