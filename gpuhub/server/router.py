@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -62,6 +63,7 @@ DELIM = b"<IDS|MSG>"
 PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 # Requests that get busy/idle on iopub but no reply: their idle cannot wait for a reply.
 NO_REPLY_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
+_monitor_names = itertools.count()  # one inproc endpoint per replica socket's monitor, never reused
 
 
 @dataclass
@@ -420,7 +422,11 @@ class KernelRouter:
             else:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             if key != "hb_port":
-                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                # A name of our own: pyzmq's default names the endpoint after the socket's file
+                # descriptor, which a new socket reuses while libzmq still closes an old one in the
+                # background (its monitor endpoint still bound): EADDRINUSE on a reconnect.
+                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                              addr=f"inproc://gpuhub-router-monitor-{next(_monitor_names)}")
                 rep.monitors.append(mon)
                 rep.tasks.append(asyncio.ensure_future(self._watch(mon, rep, key)))
             sock.connect(rep.url(key))
