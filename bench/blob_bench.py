@@ -108,7 +108,7 @@ def table(r: dict) -> str:
         "",
         "| what | median s | best s | GB/s (size / median) | CPU s (all threads) |",
         "|---|---:|---:|---:|---:|",
-        f"| digest (sha256 tree) | {r['digest_s']:.3f} | | {r['digest_gbps']:.2f} | |",
+        f"| digest (BLAKE3 tree) | {r['digest_s']:.3f} | | {r['digest_gbps']:.2f} | |",
     ]
     for name, p in r["push"].items():
         lines.append(f"| push_all to 2, {name} | {p['median_s']:.3f} | {p['min_s']:.3f} "

@@ -54,7 +54,8 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
    exclusive bit (a page written and then swapped out would read as unwritten). The partial first
    and last page, which the range may share with other data (malloc's headers, heap neighbours,
    written for them), are judged by the range's own bytes on them instead, compared with a copy
-   taken at arm, whatever the bits say.
+   taken at arm, whatever the bits say. The copy is taken before the signals start (the
+   sentinel's fork, clearing soft-dirty): a write after that moment cannot land in it unseen.
 4. *Forks (copy-on-write only).* A page written *before* a fork is shared again with the new
    process while it lives, so the bit would hide the write. Python-level forks since arm are
    counted (``os.register_at_fork``); a live child process running this interpreter that was not
@@ -493,6 +494,11 @@ class BufferTracker:
                 old.end()
             maps = _Maps()
             kinds = {k: maps.kind(k[0], k[0] + k[1]) if k[1] > 0 else None for k in digests}
+            # The partial first and last pages are judged by their bytes (rule 3): copied before
+            # the signals start (the fork, clearing soft-dirty), so that no write after that
+            # moment can land in the copy and go unseen.
+            edges = {k: _edges_of(k[0], k[0] + k[1], *_whole_pages(k[0], k[0] + k[1]))
+                     for k, kind in kinds.items() if kind is not None}
             sd = cow = False
             allow_sentinel, sentinel = sentinel, None
             if _ANON in kinds.values():
@@ -517,7 +523,7 @@ class BufferTracker:
                     kind = kinds[key]
                     if kind is None or (kind is _ANON and not (sd or cow)):
                         continue
-                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd)
+                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key])
                     if a is not None:
                         armed[key] = a
             finally:
@@ -638,11 +644,16 @@ def _absent(flags: bytes) -> set[int]:
     return absent
 
 
-def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int) -> _Armed | None:
+def _whole_pages(lo: int, hi: int) -> tuple[int, int]:
+    """(first page number, count) of the pages wholly inside [lo, hi); (0, 0) when none."""
     page, end = -(-lo // PAGE), hi // PAGE
-    count = max(0, end - page)
-    if not count:
-        page = 0
+    return (page, end - page) if end > page else (0, 0)
+
+
+def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int,
+              edges: tuple[bytes, bytes]) -> _Armed | None:
+    """What arming keeps of [lo, hi); ``edges``: its bytes outside whole pages, taken earlier."""
+    page, count = _whole_pages(lo, hi)
     entries = _entries(page, count, fd) if count else b""
     flags = entries[7::8]
     firsts = bytearray(8 * count)
@@ -662,5 +673,5 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int) -> _Armed 
                                      if w >= 0 else 0)
     elif flags.translate(None, _OK_FILE):
         return None  # a page was written before arming: the bytes are not the file's
-    return _Armed(d, kind, page, count, _edges_of(lo, hi, page, count), frozenset(absent),
+    return _Armed(d, kind, page, count, edges, frozenset(absent),
                   bytes(firsts), zero_first)

@@ -30,6 +30,7 @@ from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
+from gpuhub.platform.messages import DISPATCH_NOTE
 from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
 log = logging.getLogger("gpuhub.kernel")
@@ -96,6 +97,8 @@ class GpuhubKernel(IPythonKernel):
         self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
+        self._notes: dict[str, dict] = {}  # cell -> what the router said of it (missed, to)
+        self.control_handlers[DISPATCH_NOTE] = self._on_dispatch_note
         if self.gpus > 0:
             from gpuhub.kernel import child
 
@@ -198,6 +201,15 @@ class GpuhubKernel(IPythonKernel):
         rep.interrupted.clear()
         if self._unfinished is not None:  # a cell that ran here when the group had no majority
             self._end_unfinished()
+        try:
+            if self._note(cell).get("missed"):
+                rep.catch_up()  # the router skipped this replica for a cell: see the holder as it is now
+            ran = await self._run_under_lease(rep, cell, code, silent, store_history, user_expressions,
+                                              allow_stdin, cell_meta, cell_id)
+        finally:
+            self._forget_note(cell)
+        if ran is not None:
+            return ran
         started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
         while True:
             asked = time.monotonic()
@@ -219,19 +231,8 @@ class GpuhubKernel(IPythonKernel):
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
                       decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor == rep.id:
-                self._show_startup_notice()
-                # Every committed image is applied here before the cell runs (this replica may have
-                # missed cells: the router skipped it, or it was stopped for a while).
-                if not rep.up_to_date() and not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
-                    if grant is not None:
-                        self.lease_client.release(grant)
-                    return self._ended_without_result(rep.abort(
-                        cell, attempt, "stale", "this replica could not load the kernel's variables",
-                        self.shell.execution_count + 1))
-                if rep.state.execution_count:
-                    self.shell.execution_count = rep.state.execution_count
-                return await self._run_here(cell, attempt, grant, code, silent, store_history,
-                                            user_expressions, allow_stdin, cell_meta, cell_id)
+                return await self._execute_here(cell, attempt, grant, code, silent, store_history,
+                                                user_expressions, allow_stdin, cell_meta, cell_id)
             if decision.executor is not None:
                 return self._follow(rep.wait_for_end(cell, decision.executor, self.shell.execution_count + 1),
                                     code, store_history, silent)
@@ -256,6 +257,65 @@ class GpuhubKernel(IPythonKernel):
             self._interrupted.wait(backoff)
             backoff = min(backoff * 2, 2.0)
             attempt += 1
+
+    async def _run_under_lease(self, rep, cell, code, silent, store_history, user_expressions, allow_stdin,
+                               cell_meta, cell_id) -> dict | None:
+        """The common path (docs/architecture.md, "One commit per cell"): the replica that ran the
+        last cell runs this one too, with no election, when it can get the kernel's GPUs now; the
+        others wait for its result. None: an election decides this cell (there is no holder, the
+        holder yielded, or the router did not hand it the cell)."""
+        ended, holder, begun = rep.lease(cell)
+        if ended is not None:
+            return self._follow(ended, code, store_history, silent)
+        if begun or holder is None:
+            return None
+        if holder == rep.id:
+            self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
+            asked = time.monotonic()
+            grant = self._try_grant()
+            if self.gpus and grant is None:
+                log.debug("cell %s: the lease holder cannot get %d GPU(s) now: an election", cell, self.gpus)
+                return None  # it yields through the election (its first proposal begins it)
+            self._phases = {"grant": time.monotonic() - asked}
+            log.debug("cell %s: run under the lease", cell)
+            return await self._execute_here(cell, 0, grant, code, silent, store_history, user_expressions,
+                                            allow_stdin, cell_meta, cell_id)
+        outcome = rep.wait_for_holder(cell, holder, self.shell.execution_count + 1,
+                                      lambda: self._note(cell).get("to"))
+        if outcome is None:
+            return None
+        return self._follow(outcome, code, store_history, silent)
+
+    # --- the router's notes (gpuhub/server/router.py, "dispatch notes") -----------------------
+    def _note(self, cell: str) -> dict:
+        return self._notes.get(cell, {})
+
+    def _forget_note(self, cell: str) -> None:
+        self._notes.pop(cell, None)
+
+    def _take_note(self, content: dict) -> None:
+        cell = str(content.get("cell", ""))
+        if not cell or self.replica is None:
+            return
+        with self.replica.state.changed:  # a follower waiting on the holder wakes up (wait_for_holder)
+            note = self._notes.setdefault(cell, {})
+            if content.get("missed"):
+                note["missed"] = True
+            if isinstance(content.get("to"), list):
+                note["to"] = [int(r) for r in content["to"]]
+            while len(self._notes) > 64:  # notes of cells this replica never got
+                self._notes.pop(next(iter(self._notes)))
+            self.replica.state.changed.notify_all()
+
+    def should_handle(self, stream, msg, idents):
+        if msg["header"]["msg_type"] == DISPATCH_NOTE:  # before this cell, on shell: never answered
+            self._take_note(msg["content"])
+            return False
+        return super().should_handle(stream, msg, idents)
+
+    def _on_dispatch_note(self, stream, ident, msg) -> None:
+        """On control, while the cell runs: which replicas the router handed it to."""
+        self._take_note(msg["content"])
 
     def _no_majority(self, exc: RaftUnavailable, cell: str, *, ran: bool) -> dict:
         """The group lost its majority: an error reply now (from every replica that notices: the
@@ -318,6 +378,24 @@ class GpuhubKernel(IPythonKernel):
         except LeaseError as exc:
             log.warning("asking the agent for GPUs failed: %s", exc)
             return None
+
+    async def _execute_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
+                            allow_stdin, cell_meta, cell_id) -> dict:
+        """This replica runs the cell (elected, or under the lease)."""
+        rep = self.replica
+        self._show_startup_notice()
+        # Every committed image is applied here before the cell runs (this replica may have
+        # missed cells: the router skipped it, or it was stopped for a while).
+        if not rep.up_to_date() and not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
+            if grant is not None:
+                self.lease_client.release(grant)
+            return self._ended_without_result(rep.abort(
+                cell, attempt, "stale", "this replica could not load the kernel's variables",
+                self.shell.execution_count + 1))
+        if rep.state.execution_count:
+            self.shell.execution_count = rep.state.execution_count
+        return await self._run_here(cell, attempt, grant, code, silent, store_history,
+                                    user_expressions, allow_stdin, cell_meta, cell_id)
 
     async def _run_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
                         allow_stdin, cell_meta, cell_id) -> dict:
@@ -401,7 +479,8 @@ class GpuhubKernel(IPythonKernel):
         Arming (for 1 GiB of arrays: a sentinel fork, the page map and a word of every page, about
         20 ms on the dev VM) then costs a notebook's user nothing, who reads the output meanwhile.
         A write between cells (a background thread's) is seen by the next cell's capture when it
-        comes after this arming; one in the milliseconds between the capture and here is not."""
+        comes after this arming began (the sentinel's fork); one in the milliseconds between the
+        capture and here is not."""
         spent, self._spent_tracker = self._spent_tracker, None
         if spent is not None:
             spent.close()  # its sentinel ends: pages the cell wrote are no longer held twice

@@ -1,14 +1,20 @@
 """One replica's part in its kernel's Raft group: who runs a cell, and keeping the namespace equal.
 
-Where replicas agree on the executor: :meth:`Replica.elect`. Where the executor publishes what a
-cell changed: :meth:`Replica.commit_cell`. Where the others take it: :meth:`Replica.follow`.
+Where replicas agree on the executor: the lease (:meth:`Replica.lease`), else :meth:`Replica.elect`.
+Where the executor publishes what a cell changed: :meth:`Replica.commit_cell`. Where the others
+take it: :meth:`Replica.wait_for_end`, then :meth:`Replica.sync_namespace`.
 
 The protocol per cell (the cell's key is the ``execute_request``'s msg_id, the same on every
 replica because the router forwards one message to all):
 
-1. every replica asks its own agent for the GPUs now (CPU kernels: always able) and proposes LEAD
-   or YIELD; the log decides the executor (gpuhub/replication/election.py); losers give back
-   their grant at once;
+0. the executor of the last cell holds the lease (:meth:`Replica.lease`): when it gets the GPUs
+   now it runs the cell without an election, and the others wait for its end
+   (:meth:`Replica.wait_for_holder`); it yields (an election begins) when it cannot, and the others
+   begin the election when the router says it did not get the cell. A replica the router skipped
+   for the last cell catches up first (:meth:`Replica.catch_up`);
+1. otherwise every replica asks its own agent for the GPUs now (CPU kernels: always able) and
+   proposes LEAD or YIELD; the log decides the executor (gpuhub/replication/election.py); losers
+   give back their grant at once;
 2. the executor (having loaded every committed image first: :meth:`Replica.up_to_date`) runs the
    cell and commits ``complete`` with the namespace image (gpuhub/kernel/image.py): a small
    stream inline (sealed), large parts pushed to the other replicas first and named by digest
@@ -58,7 +64,7 @@ from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore, copy_into
 from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
-from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup
+from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup, RaftUnavailable
 from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
@@ -293,6 +299,39 @@ class Replica:
                 (cell, attempt) in self.state.elections
                 and self.state.elections[(cell, attempt)].outcome is not None), 0.1)
 
+    # --- 1'. the executor lease: most cells need no election -----------------------------
+    def lease(self, cell: str) -> tuple[CellOutcome | None, int | None, bool]:
+        """What this replica's log says of ``cell`` now: its outcome if it ended, the lease holder
+        (the executor of the last completed cell, unless its lease was revoked), and whether an
+        election for it has begun."""
+        with self.state.changed:
+            return self.state.outcomes.get(cell), self.state.previous_executor, self.state.election_begun(cell)
+
+    def catch_up(self) -> None:
+        """Apply everything committed so far: commit a barrier and wait until it is applied here.
+        A replica the router skipped for a cell may not have applied that cell's end yet, and must
+        not act on an older lease holder (a stale view could make it run a cell under a lease it
+        lost, beside the real holder)."""
+        token = time.monotonic_ns()
+        self.raft.barrier(self.id, token)
+        if not self._wait(lambda: self.state.barriers.get(self.id) == token, 30):
+            raise RaftUnavailable(f"replica {self.id} did not apply its own barrier within 30 s")
+
+    def wait_for_holder(self, cell: str, holder: int, execution_count: int, handed_to) -> CellOutcome | None:
+        """Wait while the lease holder runs ``cell``. Returns the cell's outcome; or None when an
+        election for it began (the holder yielded: it cannot get the GPUs now) or must begin here:
+        the router did not hand the cell to the holder (``handed_to()``, the replicas that got it
+        as the router told, or None when it said nothing: then every live replica got it), so the
+        holder cannot run it and the lease is revoked by this replica's proposal. A holder that
+        got the cell and stops answering may have started it: the cell is aborted, as when an
+        elected executor is lost (a cell runs at most once)."""
+        def moved() -> bool:
+            to = handed_to()
+            return (cell in self.state.outcomes or self.state.election_begun(cell)
+                    or (to is not None and holder not in to))
+
+        return self._watch(cell, holder, execution_count, moved, "that was to run this cell")
+
     def abort(self, cell: str, attempt: int, reason: str, detail: str, execution_count: int) -> CellOutcome:
         """Propose ending the cell without a result; the first ending committed wins."""
         self.raft.abort(cell, attempt, self.id, reason, detail, execution_count)
@@ -370,12 +409,12 @@ class Replica:
     def commit_cell(self, cell: str, attempt: int, status: str, image: ImageEntry | None,
                     execution_count: int) -> bool:
         """Publish the cell's end (and the namespace image, None when unchanged); False if the
-        cell had already been aborted."""
+        cell had already been ended, or (a cell run under the lease) the lease was revoked first."""
         self.raft.complete(cell, attempt, self.id, status, image, execution_count)
         # The call returns when the leader applied it; wait until this replica did too.
-        self._wait(lambda: cell in self.state.outcomes, 30)
-        outcome = self.state.outcomes[cell]
-        won = outcome.kind == "complete" and outcome.by == self.id
+        self._wait(lambda: cell in self.state.outcomes or self.state.refused.get(cell) == self.id, 30)
+        outcome = self.state.outcomes.get(cell)
+        won = outcome is not None and outcome.kind == "complete" and outcome.by == self.id
         if won and self.cells_in_process:  # the live namespace is the committed image already
             self.loaded_version = self.state.image_version
             if image is not None:
@@ -396,19 +435,25 @@ class Replica:
     # --- 3. the others ------------------------------------------------------------
     def wait_for_end(self, cell: str, executor: int, execution_count: int) -> CellOutcome:
         """Wait for the executor's result; abort the cell if its replica is gone."""
-        peer = self.peers.get(executor)
+        return self._watch(cell, executor, execution_count, lambda: cell in self.state.outcomes,
+                           "running this cell")
+
+    def _watch(self, cell: str, runner: int, execution_count: int, done, role: str) -> CellOutcome | None:
+        """Wait until ``done()`` (then: the cell's outcome, if it ended), while ``runner``'s replica
+        answers; abort the cell once it has not for ``executor_lost_s``."""
+        peer = self.peers.get(runner)
         unreachable_since = None
         while True:
-            if self._wait(lambda: cell in self.state.outcomes, 0.5):
-                return self.state.outcomes[cell]
+            if self._wait(done, 0.5):
+                with self.state.changed:
+                    return self.state.outcomes.get(cell)
             if peer is None or reachable(peer.blob):
                 unreachable_since = None
                 continue
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since >= self.settings.executor_lost_s:
                 return self.abort(cell, -1, "executor-lost",
-                                  f"the replica running this cell (on {peer.node or peer.raft}) stopped",
-                                  execution_count)
+                                  f"the replica {role} (on {peer.node or peer.raft}) stopped", execution_count)
 
     def _blob(self, d: str):
         data = self.store.get(d)

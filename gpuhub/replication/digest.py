@@ -1,34 +1,36 @@
 """The one content hash of gpuhub: what a value is called in the Raft log, in the blob store, on
 the wire and in the kernels' change detection.
 
-``digest`` is a SHA-256 tree hash: the value is cut into fixed 16 MiB chunks (:data:`CHUNK`), each
-chunk is hashed with SHA-256, and the root is
-``SHA-256(TAG || len(value) as u64 || leaf_0 || leaf_1 || …)``, written as 64 lowercase hex
+``digest`` is a BLAKE3 tree hash: the value is cut into fixed 16 MiB chunks (:data:`CHUNK`), each
+chunk is hashed with BLAKE3, and the root is
+``BLAKE3(TAG || len(value) as u64 || leaf_0 || leaf_1 || …)``, written as 64 lowercase hex
 digits. The chunking depends only on the length, never on thread timing, so the digest is
-deterministic; the leaves are hashed in a thread pool (hashlib releases the GIL for big buffers).
-Measured on the 2-core AMD EPYC (SHA-NI, OpenSSL 3.0) dev VM, 1 GiB, machine otherwise idle:
-sha256 1.56 GB/s, sha1 1.68, blake2b 0.81, sha512 0.75, sha3_256 0.30 single-threaded; 64 MiB
-leaves over 2 threads: sha256 3.0 GB/s, blake2b 1.5, sha1 3.3 (rejected: not collision resistant).
-16 MiB leaves (rather than 64) let values of 32-64 MiB hash in parallel too and shorten the
-receive/hash pipeline's tail; a leaf costs one pool task, nothing measurable. The tag fixes the
-chunk size: changing :data:`CHUNK` changes every digest.
+deterministic; the leaves are hashed in a thread pool (the ``blake3`` module releases the GIL),
+and a receiver hashes each chunk while the next one arrives. BLAKE3 is collision resistant like
+SHA-256 and uses the CPU's SIMD units. Measured on the 2-core AMD EPYC (AVX2, SHA-NI, OpenSSL 3.0)
+dev VM, 1 GiB, one thread: BLAKE3 3.6 GB/s, sha256 1.57 (with SHA-NI), sha1 1.68, blake2b 0.81
+(``python -m bench digest``). Every replica of a group must name values the same way: the tag
+says the format, and a change of format (v1 was SHA-256 leaves) means restarting kernels across
+an upgrade (docs/install.md, "Upgrading"). 16 MiB leaves let values of 32-64 MiB hash in parallel too and
+shorten the receive/hash pipeline's tail; a leaf costs one pool task, nothing measurable.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from blake3 import blake3
+
 __all__ = ["CHUNK", "DIGEST_ASCII", "TAG", "byte_view", "check_digest", "digest",
            "fill_and_digest", "receive_and_digest"]
 
 CHUNK = 16 << 20
 """Leaf size of the tree hash and unit of the receive/hash pipeline (part of the digest format)."""
-TAG = b"gpuhub-blob/1 sha256-tree 16MiB\0"
+TAG = b"gpuhub-blob/2 blake3-tree 16MiB\0"
 DIGEST_ASCII = re.compile(rb"[0-9a-f]{64}")
 """What a digest looks like as ASCII bytes (as it travels in a blob request header)."""
 
@@ -55,11 +57,11 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _leaf(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()
+    return blake3(chunk).digest()
 
 
 def _root(n: int, leaves: Iterable[bytes]) -> str:
-    h = hashlib.sha256(TAG)
+    h = blake3(TAG)
     h.update(n.to_bytes(8, "big"))
     for leaf in leaves:
         h.update(leaf)

@@ -1,5 +1,10 @@
 """Who executes a cell: the executor election, as pure functions of the committed log.
 
+Most cells need none: the executor of the last cell holds a lease on the next one and runs it
+when it can get the GPUs (``KernelLog.holds_lease``). An election begins when it cannot (it
+proposes YIELD) or when the router did not hand it the cell (another replica's proposal then
+begins the election, and ``previous`` below is None: nobody waits for the holder).
+
 Every replica of a kernel asks its own agent for the cell's GPUs and proposes LEAD (it got them)
 or YIELD (it did not) through the Raft log. Each replica then decides locally, from the proposals
 committed so far, whom it would pick, and commits that as its VOTE. The first committed vote is the

@@ -79,16 +79,40 @@ class KernelLog(SyncObjConsumer):
         self.previous_executor: int | None = None
         self.elections: dict[tuple[str, int], Election] = {}
         self.outcomes: OrderedDict[str, CellOutcome] = OrderedDict()
+        # cell -> the replica whose complete was refused (it ran under a lease it had lost)
+        self.refused: OrderedDict[str, int] = OrderedDict()
+        self.barriers: dict[int, int] = {}  # replica -> its last barrier's token
 
     # --- helpers (not replicated) ---------------------------------------------
-    def _election(self, cell: str, attempt: int) -> Election | None:
+    def _election(self, cell: str, attempt: int, first: int | None = None) -> Election | None:
+        """The election of this attempt at ``cell``, begun by this entry if it is the first
+        (``first``: the replica whose proposal begins it)."""
         if cell in self.outcomes:
             return None  # late entry for a finished cell
         key = (cell, attempt)
         if key not in self.elections:
+            previous = self.previous_executor
+            if attempt == 0 and first is not None and first != previous:
+                # The executor lease (docs/architecture.md, "One commit per cell"): the lease
+                # holder runs the next cell without any election, and only it begins one at
+                # attempt 0, when it cannot run the cell (it yields). Another replica begins it
+                # only when the router did not hand the cell to the holder: that revokes the
+                # holder's lease for this cell (an election for it exists now, see holds_lease),
+                # in log order, before the holder could complete it; nobody waits for the holder.
+                previous = None
             # Proposals for a cell this replica has not reached yet are kept here: buffered.
-            self.elections[key] = Election(cell, attempt, self.previous_executor, self.members)
+            self.elections[key] = Election(cell, attempt, previous, self.members)
         return self.elections[key]
+
+    def election_begun(self, cell: str) -> bool:
+        """Whether an election (any attempt) for ``cell`` has an entry and the cell has not ended."""
+        return any(key[0] == cell for key in self.elections)
+
+    def holds_lease(self, cell: str, replica: int) -> bool:
+        """Whether ``replica`` may run ``cell`` under the executor lease: it executed the last
+        completed cell, nothing has ended ``cell`` and no election for it has begun."""
+        return (self.previous_executor == replica and cell not in self.outcomes
+                and not self.election_begun(cell))
 
     def _finish(self, cell: str, outcome: CellOutcome) -> None:
         self.outcomes[cell] = outcome
@@ -103,7 +127,7 @@ class KernelLog(SyncObjConsumer):
             self.on_apply(kind, cell)
 
     def apply(self, entry: str, *args):
-        """Apply one entry (``"propose"``, ``"vote"``, ``"complete"``, ``"abort"``) to this copy
+        """Apply one entry (``"propose"``, ``"vote"``, ``"complete"``, ``"abort"``, ``"barrier"``) to this copy
         only, as pysyncobj does once it is committed: replays and tests, no group needed."""
         return getattr(self, entry)(*args, _doApply=True)  # pysyncobj's flag for "apply, do not replicate"
 
@@ -113,7 +137,7 @@ class KernelLog(SyncObjConsumer):
     @replicated
     def propose(self, cell: str, attempt: int, replica: int, lead: bool) -> None:
         with self.changed:
-            e = self._election(cell, attempt)
+            e = self._election(cell, attempt, first=replica)
             if e is not None:
                 e.add_proposal(replica, lead)
                 if e.outcome is None:
@@ -134,13 +158,31 @@ class KernelLog(SyncObjConsumer):
             self._applied("vote", cell)
 
     @replicated
+    def barrier(self, replica: int, token: int) -> None:
+        """Nothing but a place in the log: a replica that applied its own barrier has applied
+        everything committed before it (how a replica that missed cells catches up, see
+        ``Replica.catch_up``)."""
+        with self.changed:
+            self.barriers[replica] = token
+            self._applied("barrier", "")
+
+    @replicated
     def complete(self, cell: str, attempt: int, executor: int, status: str, image: ImageEntry | None,
                  execution_count: int) -> bool:
         """The executor's end of a cell (``image`` None: the namespace did not change). Loses
-        (returns False) if an abort committed first."""
+        (returns False) if another end committed first, or if ``executor`` was not entitled to
+        run the cell: elected for this attempt, or (no election for the cell) the lease holder."""
         with self.changed:
             if cell in self.outcomes:
                 self._applied("complete-late", cell)
+                return False
+            e = self.elections.get((cell, attempt))
+            if not (self.holds_lease(cell, executor) if e is None and attempt == 0 else
+                    e is not None and e.outcome == executor):
+                self.refused[cell] = executor
+                while len(self.refused) > KEEP_OUTCOMES:
+                    self.refused.popitem(last=False)
+                self._applied("complete-refused", cell)
                 return False
             if image is not None:
                 self.image = image
@@ -222,6 +264,10 @@ class RaftGroup:
         """The executor's end of ``cell``; False if another end committed first."""
         return self._commit("complete", self.log.complete, cell, attempt, executor, status, image,
                             execution_count, timeout_s=timeout_s)
+
+    def barrier(self, replica: int, token: int, *, timeout_s: float = 30.0) -> None:
+        """Commit a barrier (see :meth:`KernelLog.barrier`)."""
+        self._commit("barrier", self.log.barrier, replica, token, timeout_s=timeout_s)
 
     def abort(self, cell: str, attempt: int, reporter: int, reason: str, detail: str,
               execution_count: int, *, timeout_s: float = 30.0) -> bool:

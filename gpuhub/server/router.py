@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -56,10 +57,13 @@ import zmq.asyncio
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
+from gpuhub.platform.messages import DISPATCH_NOTE
+
 DELIM = b"<IDS|MSG>"
 PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 # Requests that get busy/idle on iopub but no reply: their idle cannot wait for a reply.
 NO_REPLY_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
+_monitor_names = itertools.count()  # one inproc endpoint per replica socket's monitor, never reused
 
 
 @dataclass
@@ -156,6 +160,7 @@ class _Replica:
     tasks: list[asyncio.Task] = field(default_factory=list)
     connected: set[str] = field(default_factory=set)  # channels whose ZMTP handshake succeeded
     welcomed: bool = False  # the replica's iopub welcomed our subscription: outputs will reach us
+    last_execute: str | None = None  # the msg_id of the last execute_request it got from us
 
     @property
     def ready(self) -> bool:
@@ -231,6 +236,8 @@ class KernelRouter:
         self._held_control: deque[_Held] = deque()  # control requests, only until the replicas are up
         self._held_bytes = 0
         self._running: _Running | None = None
+        self._last_execute: str | None = None  # the last execute_request forwarded to any replica
+        self._notes: OrderedDict[str, None] = OrderedDict()  # msg_ids of our dispatch notes
         self._open = False  # replicas are up: requests go through
         self._started_at = 0.0
         self._majority_ready_at: float | None = None
@@ -415,7 +422,11 @@ class KernelRouter:
             else:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             if key != "hb_port":
-                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                # A name of our own: pyzmq's default names the endpoint after the socket's file
+                # descriptor, which a new socket reuses while libzmq still closes an old one in the
+                # background (its monitor endpoint still bound): EADDRINUSE on a reconnect.
+                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                              addr=f"inproc://gpuhub-router-monitor-{next(_monitor_names)}")
                 rep.monitors.append(mon)
                 rep.tasks.append(asyncio.ensure_future(self._watch(mon, rep, key)))
             sock.connect(rep.url(key))
@@ -621,18 +632,39 @@ class KernelRouter:
         if msg_id:
             self._request(msg_id, msg.msg_type)
         now = time.monotonic()
+        execute = channel == "shell_port" and msg.msg_type == "execute_request"
         sent: set[int] = set()
         for rep in list(self._replicas.values()):
-            if self._is_live(rep, now) and await self._send(rep.sockets.get(channel), msg.frames,
-                                                            f"replica {rep.id}"):
+            if not self._is_live(rep, now):
+                continue
+            if execute and rep.last_execute != self._last_execute:
+                # it did not get the last cell: it must catch up before it acts on the lease
+                await self._send_note(rep, "shell_port", {"cell": msg_id, "missed": True})
+            if await self._send(rep.sockets.get(channel), msg.frames, f"replica {rep.id}"):
                 sent.add(rep.id)
+                if execute:
+                    rep.last_execute = msg_id
         if not sent:
             self.log.warning("no live replica took %s %s", msg.msg_type, msg_id)
-        elif channel == "shell_port" and msg.msg_type == "execute_request":
+        elif execute:
+            self._last_execute = msg_id
             content = msg.content()
             self._running = _Running(msg_id, bool(content.get("silent", False)),
                                      bool(content.get("stop_on_error", True)), sent)
+            if sent != set(self._replicas):
+                # a lease holder that did not get the cell cannot run it: the others must know
+                for rid in sorted(sent):
+                    await self._send_note(self._replicas[rid], "control_port",
+                                          {"cell": msg_id, "to": sorted(sent)})
         return len(sent)
+
+    async def _send_note(self, rep: _Replica, channel: str, content: dict) -> None:
+        """A dispatch note (gpuhub/platform/messages.py) to one replica, signed with the kernel's key."""
+        note = self._session.msg(DISPATCH_NOTE, content=content)
+        self._notes[note["header"]["msg_id"]] = None
+        while len(self._notes) > 1024:  # a replica's statuses for a note follow it within moments
+            self._notes.popitem(last=False)
+        await self._send(rep.sockets.get(channel), self._session.serialize(note), f"replica {rep.id} note")
 
     async def _release(self, abort: bool = False) -> None:
         """Forward held requests in order until one is an execute_request (it then runs); with
@@ -743,6 +775,8 @@ class KernelRouter:
                 await self._check_open()
             return
         parent_id = msg.parent_id
+        if parent_id in self._notes:
+            return  # a replica's busy/idle around one of our dispatch notes: not the client's business
         if mtype == "status":
             state = str(msg.content().get("execution_state", ""))
             if not parent_id:

@@ -111,6 +111,27 @@ def test_sentinel_lives_until_the_next_arm_or_close_and_is_reaped(in_process):
     assert answers(second, a) == {"a": None}
 
 
+def test_a_write_just_after_the_sentinel_forks_is_seen(in_process, monkeypatch):
+    """The sentinel's fork is the moment from which writes are seen (the kernel arms between cells
+    while a notebook's threads run): a write that lands after the fork but before arming reads the
+    page map and the edge bytes is seen, on the partial first page as on an interior one."""
+    if dirty.SOFT_DIRTY:
+        pytest.skip("soft-dirty works here: no sentinel")
+    edge = np.zeros((1 << 18) + 1)
+    edge = edge[1:] if edge.ctypes.data % PAGE == 0 else edge[:-1]  # element 0 on a partial page
+    arrays = {"edge": edge, "inner": np.zeros(1 << 18), "kept": np.zeros(1 << 18)}
+
+    class RacingSentinel(dirty._Sentinel):
+        def __init__(self) -> None:
+            super().__init__()
+            arrays["edge"][0] = 7  # another thread's write, just after the fork
+            arrays["inner"][1 << 17] = 7
+
+    monkeypatch.setattr(dirty, "_Sentinel", RacingSentinel)
+    tracker = in_process(arrays)
+    assert answers(tracker, arrays) == {"edge": None, "inner": None, "kept": "kept"}
+
+
 def test_writes_reads_and_neighbours(in_process):
     base = np.arange(16 * MIB // 8, dtype=np.float64)
     arrays = {"w": np.arange(2 * MIB), "r": np.arange(2 * MIB), "edge": np.arange(2 * MIB),

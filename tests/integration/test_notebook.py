@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import base64
 import difflib
-import os
 import pprint
 import re
-import signal
 import struct
 
 import nbformat
@@ -22,6 +20,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from gpuhub.dev.cluster import DevCluster, DevKernel
+from tests.integration.test_replicated import kill_replica
 
 pytest.importorskip("pandas")
 
@@ -275,7 +274,7 @@ def test_tracebacks_and_source_of_earlier_cells(cluster, gpus, failover):
         cell("def f():\n    return 1 / 0")
         if failover:
             executor = next(r["id"] for r in kernel.record["replicas"] if r["node"] == node)
-            os.kill(kernel.pid(executor), signal.SIGKILL)
+            kill_replica(kernel, executor)
         cell("f()")
         source = cell("import inspect\nprint(inspect.getsource(f), end='')")
         # f() in cell 4 fails in f, which cell 3 defined: the traceback names cell 4, then cell 3

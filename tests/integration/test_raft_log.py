@@ -70,14 +70,16 @@ def names_of(img: ImageEntry | None) -> dict[str, bytes]:
 
 
 def complete(group: RaftGroup, cell: str, executor: int, count: int, **names: str) -> bool:
-    """End ``cell`` with a stand-in namespace image: the group's names so far plus ``names``, as
-    JSON in the inline stream (the log never looks inside an image)."""
+    """Run ``cell`` on ``executor`` and end it with a stand-in namespace image: the group's names so
+    far plus ``names``, as JSON in the inline stream (the log never looks inside an image)."""
     img = None
     if names:  # an executor has applied every earlier cell before it runs one (as the kernel does)
         assert wait_until(lambda: group.log.execution_count >= count - 1), "earlier cells not applied"
         merged = {k: v.decode() for k, v in names_of(group.log.image).items()} | names
         stream = json.dumps(merged, sort_keys=True).encode()
         img = ImageEntry(f"digest-{stream.hex()}", stream, len(stream), (), tuple(sorted(merged)))
+    if not group.log.holds_lease(cell, executor):  # elected first (the lease holder needs no election)
+        group.propose(cell, 0, executor, True, timeout_s=10)
     return group.complete(cell, 0, executor, "ok", img, count, timeout_s=10)
 
 

@@ -110,6 +110,15 @@ def live_replicas(kernel) -> list[int]:
     return kernel.loop.run(ask())
 
 
+def kill_replica(kernel, rid: int) -> None:
+    """SIGKILL a replica between cells and wait until its router counts it dead. Until then the
+    router may still hand it the next cell, and if it was the executor (the lease holder), the
+    others cannot know whether it started that cell: they end it with ExecutorLost rather than
+    risk running it twice (docs/architecture.md, "One commit per cell")."""
+    os.kill(kernel.pid(rid), signal.SIGKILL)
+    wait_for(lambda: rid not in live_replicas(kernel), 30, f"the router to count replica {rid} dead")
+
+
 def assert_equal_namespaces(kernel, names, rids=(0, 1, 2)):
     views = {rid: kernel.namespace(rid, names) for rid in rids}
     first = views[rids[0]]
@@ -379,7 +388,7 @@ def test_cpu_cells_writing_loaded_arrays_in_place_never_change_stored_blobs(cpu_
     # The executor is lost: a follower that loaded `twin` copy-on-write runs the next cells.
     pid = cpu_kernel.pid(executor)
     cmd, env, cwd = _restartable(pid)
-    os.kill(pid, signal.SIGKILL)
+    kill_replica(cpu_kernel, executor)
     ok(cpu_kernel, "twin += 1", timeout=30)
     second = executor_id(cpu_kernel)
     assert second in followers

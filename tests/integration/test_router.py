@@ -544,7 +544,7 @@ async def test_a_reconnecting_client_takes_its_routing_id_over(shared_routed, sh
     ctx = zmq.asyncio.Context.instance()
     socks = []
     try:
-        for _ in range(2):
+        for _ in range(40):
             sock = ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.ROUTING_ID, session.bsession)
@@ -558,3 +558,25 @@ async def test_a_reconnecting_client_takes_its_routing_id_over(shared_routed, sh
     finally:
         for sock in socks:
             sock.close(linger=0)
+
+
+async def test_a_reconnect_while_old_monitor_endpoints_are_still_bound(shared_routed, shared_replicas):
+    """Every replica socket's connection monitor has an endpoint of its own. pyzmq's default name
+    comes from the socket's file descriptor, which a new socket reuses while libzmq still closes
+    an old one (and its monitor endpoint) in the background: a reconnect failed with EADDRINUSE.
+    Here every such default name is taken, as a slow background close would leave it."""
+    router, _, kc = shared_routed
+    taken = []
+    try:
+        # every number a new socket's descriptor can get: those in use now and the next ones
+        for fd in range(max(int(f) for f in os.listdir("/proc/self/fd")) + 64):
+            sock = router._ctx.socket(zmq.PAIR)
+            sock.bind(f"inproc://monitor.s-{fd}")
+            taken.append(sock)
+        router.replace_replica(shared_replicas.infos[0])  # the same address: sockets anew
+    finally:
+        for sock in taken:
+            sock.close(linger=0)
+    assert await _wait_for(lambda: router.live_replicas() == [0, 1, 2], 15)
+    reply, _ = await _execute(kc, "1 + 1")
+    assert reply["content"]["status"] == "ok"

@@ -6,13 +6,10 @@ the cell's forked child), and after the executor replica is SIGKILLed. Skipped w
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from gpuhub.dev.cluster import DevCluster
-from tests.integration.test_replicated import ReplicatedKernel, executor_id, ok, plain_outputs
+from tests.integration.test_replicated import ReplicatedKernel, executor_id, kill_replica, ok, plain_outputs
 
 pytest.importorskip("torch")
 
@@ -62,7 +59,7 @@ def test_torch_training_across_cells_prints_plain_ipykernels_losses(kernel, plai
     print("plain ipykernel's losses:", losses)
     outs = [ok(kernel, code, timeout=120)["stdout"] for code in TRAINING]
     assert outs == plain[:4]
-    os.kill(kernel.pid(executor_id(kernel)), signal.SIGKILL)  # asking runs a cell that leaves the model be
+    kill_replica(kernel, executor_id(kernel))  # asking runs a cell that leaves the model be
     after = ok(kernel, AFTER, timeout=120)["stdout"]
     assert after == plain[4]
     assert after.split()[0] == "True"

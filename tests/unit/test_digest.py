@@ -3,9 +3,8 @@ incremental forms (fill, receive) give the same digest."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +13,8 @@ from gpuhub.replication.digest import digest, fill_and_digest, receive_and_diges
 
 
 def reference_digest(data: bytes, chunk: int) -> str:
-    leaves = b"".join(hashlib.sha256(data[i:i + chunk]).digest()
-                      for i in range(0, len(data), chunk))
-    return hashlib.sha256(digest_module.TAG + len(data).to_bytes(8, "big") + leaves).hexdigest()
+    leaves = b"".join(blake3(data[i:i + chunk]).digest() for i in range(0, len(data), chunk))
+    return blake3(digest_module.TAG + len(data).to_bytes(8, "big") + leaves).hexdigest()
 
 
 @settings(max_examples=60, deadline=None)

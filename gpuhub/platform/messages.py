@@ -1,0 +1,15 @@
+"""What gpuhub adds to the Jupyter messaging protocol between a kernel's router (gpuhub/server)
+and its replicas (gpuhub/kernel). Clients never see these: the router signs and sends them, and
+drops the status messages a replica publishes while it takes one.
+
+``gpuhub_dispatch_request``, a *dispatch note*, content ``{"cell": msg_id, ...}`` about one
+execute_request (the cell), sent only when not every replica gets every cell:
+
+- ``"missed": true``, on shell just before the cell, to a replica that did not get the previous
+  execute_request (the router counted it dead, or it is new): its log may not show yet who ran
+  that cell, so it must catch up before it acts on the executor lease;
+- ``"to": [replica ids]``, on control just after the cell, to the replicas that got it, when some
+  did not: a lease holder that did not get the cell cannot run it, so the others elect another.
+"""
+
+DISPATCH_NOTE = "gpuhub_dispatch_request"
