@@ -98,6 +98,8 @@ class BlobStore:
         self._spares: list[bytearray] = []
         self._nbytes = 0
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._incoming: dict[str, int] = {}  # digest -> PUTs of it being received now
 
     def put(self, d: str, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` under ``d`` (the caller vouches that ``d == digest(data)`` and will not
@@ -164,6 +166,28 @@ class BlobStore:
                 return None
             return mmap.mmap(buf.fd, length, flags=mmap.MAP_PRIVATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+
+    # --- values on their way in (a peer's PUT) -----------------------------------------------
+    def incoming(self, d: str) -> None:
+        """A value with digest ``d`` is being received now; pair with :meth:`received`."""
+        with self._lock:
+            self._incoming[d] = self._incoming.get(d, 0) + 1
+
+    def received(self, d: str) -> None:
+        """The receive announced by :meth:`incoming` ended (stored or not)."""
+        with self._lock:
+            left = self._incoming.pop(d, 1) - 1
+            if left > 0:
+                self._incoming[d] = left
+            self._arrived.notify_all()
+
+    def wait_incoming(self, d: str, timeout: float) -> bool:
+        """Wait while ``d`` is being received (an executor returns once a majority has its new
+        values, so the last peer may still be receiving one when it must load it: waiting costs
+        less than fetching it a second time). True when ``d`` is stored now."""
+        with self._lock:
+            self._arrived.wait_for(lambda: d in self._blobs or d not in self._incoming, timeout)
+            return d in self._blobs
 
     def has(self, d: str) -> bool:
         with self._lock:

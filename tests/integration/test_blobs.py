@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -73,6 +74,57 @@ def test_push_all_reports_a_down_peer_without_hiding_the_others(servers):
     errors = push_all([down, a.address], KEY, {digest(b"v"): b"v"})
     assert errors[a.address] is None and "cannot connect" in errors[down]
     assert a.store.has(digest(b"v"))
+
+
+def test_push_all_returns_once_enough_peers_have_the_values(servers):
+    """An executor needs a majority, not every peer: push_all(enough=1) returns when one peer
+    has the values; a peer still in its push is reported later through on_late."""
+    (a,) = servers(1)
+    stalled = socket.socket()  # accepts and never says hello: the push to it hangs until its timeout
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen()
+    slow = f"127.0.0.1:{stalled.getsockname()[1]}"
+    late: dict[str, str | None] = {}
+    ended = threading.Event()
+
+    def on_late(addr: str, err: str | None) -> None:
+        late[addr] = err
+        ended.set()
+
+    try:
+        value = b"v" * 100_000
+        errors = push_all([slow, a.address], KEY, {digest(value): value}, timeout=5, enough=1,
+                          on_late=on_late)
+        assert errors == {a.address: None}  # back before the stalled push ended
+        assert a.store.has(digest(value)) and not ended.is_set()
+        assert ended.wait(30), "the stalled push was never reported"
+        assert list(late) == [slow] and "failed" in late[slow]
+    finally:
+        stalled.close()
+
+
+def test_wait_incoming_ends_when_the_value_is_stored_or_its_receive_fails(servers):
+    """A replica that must load a value while its PUT still arrives waits for it
+    (BlobStore.wait_incoming) instead of fetching it a second time."""
+    (a,) = servers(1)
+    value = np.arange(4 * MIB // 8, dtype=np.float64).tobytes()
+    d = digest(value)
+    assert not a.store.wait_incoming(d, 0)  # nothing on its way: no wait
+    a.store.incoming(d)  # as the server does when a PUT's body begins
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(d, 30)))
+    waiter.start()
+    push(a.address, KEY, {d: value})  # the PUT arrives and is stored: the waiter has it
+    waiter.join(30)
+    assert waited == [True] and bytes(a.store.get(d)) == value
+    a.store.received(d)
+    other = digest(b"never stored")
+    a.store.incoming(other)
+    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(other, 30)))
+    waiter.start()
+    a.store.received(other)  # the receive failed (a digest mismatch, a dead peer): fetch instead
+    waiter.join(30)
+    assert waited == [True, False]
 
 
 def test_fetch_falls_back_to_the_next_peer(servers):
