@@ -163,7 +163,7 @@ class Replica:
         self.cells_in_process = cells_in_process
         # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
         self.store = BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
-                               file_backed=True)
+                               file_backed=True, keep_from_forks=cells_in_process)
         # Memory of this process known to hold a blob's bytes, unwritten since: the buffers of the
         # image this replica loaded or captured last (see _buffer_for). Emptied when a cell starts
         # in this process, since the cell may write any of it.

@@ -4,7 +4,9 @@ tests/unit/test_digest.py, tests/unit/test_blobstore.py."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import socket
 import struct
 import threading
@@ -289,3 +291,38 @@ def test_a_corrupted_stored_large_blob_is_refused_by_fetch():
             fetch([server.address], KEY, d)
     finally:
         server.stop()
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            if start <= addr < end:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_a_store_kept_from_forks_is_not_in_a_forked_child(anonymous):
+    """A CPU kernel's store (keep_from_forks) is not inherited by a fork (the page tracker's
+    sentinel, user code's multiprocessing): writes into its buffers pay no copy-on-write fault and
+    a fork copies none of its page tables. Small buffers (in malloc's heap) are left alone."""
+    store = BlobStore(file_backed=True, keep_from_forks=True)
+    big = store.alloc(64 * MIB, anonymous=anonymous)
+    small = store.alloc(1000, anonymous=anonymous)
+    middle = lambda b: ctypes.addressof((ctypes.c_char * 1).from_buffer(b)) + len(b) // 2  # noqa: E731
+    addrs = [middle(big), middle(small)]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, bytes(_mapped(a) for a in addrs))
+        finally:
+            os._exit(0)
+    os.close(w)
+    seen = os.read(r, 2)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert seen == bytes([False, True]) and all(_mapped(a) for a in addrs)
+    memoryview(big)[:5] = b"still"  # and the parent uses it as before
+    assert bytes(memoryview(big)[:5]) == b"still"
