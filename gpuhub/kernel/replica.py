@@ -48,6 +48,7 @@ this sound, *the bytes stored under a digest never change while stored*, holds b
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -82,6 +83,7 @@ class Settings:
     executor_lost_s: float = 2.0  # the executor's replica unreachable this long → abort the cell
     grant_timeout_s: float = 300.0  # all replicas busy: how long a cell waits for a GPU
     ready_timeout_s: float = 120.0  # joining the group and catching up at start
+    blob_wait_s: float = 30.0  # a value still arriving from the executor's push: wait this long for it
     inline_max_bytes: int = INLINE_MAX_BYTES
     # How a CPU kernel learns which large buffers a cell wrote, where the Linux kernel lacks
     # soft-dirty bits: "sentinel" forks a dormant child per cell (a `pass` cell then skips hashing;
@@ -161,7 +163,7 @@ class Replica:
         self.cells_in_process = cells_in_process
         # The executor's copies are reused (spares) once dropped: up to EXECUTOR_SPARE_BYTES.
         self.store = BlobStore(spare_bytes=EXECUTOR_SPARE_BYTES if cells_in_process else 0,
-                               file_backed=True)
+                               file_backed=True, keep_from_forks=cells_in_process)
         # Memory of this process known to hold a blob's bytes, unwritten since: the buffers of the
         # image this replica loaded or captured last (see _buffer_for). Emptied when a cell starts
         # in this process, since the cell may write any of it.
@@ -384,11 +386,19 @@ class Replica:
             self.store.put(sd, stream)
             new[sd] = stream
         if new:
-            # Best effort: a replica that missed a blob fetches it from a peer when it loads.
-            for addr, err in blobclient.push_all(self.other_blob_addrs(), self.key, new).items():
-                if err:
-                    log.warning("could not push %d blob(s) to %s: %s", len(new), addr, err)
+            # Done once a majority holds the new values (this replica and enough peers), as a
+            # commit is: the other pushes go on meanwhile, and a replica that loads a value still
+            # arriving waits for it (_blob). Best effort: one that missed it fetches it from a peer.
+            peers = self.other_blob_addrs()
+            late = functools.partial(self._push_failed, count=len(new))
+            pushed = blobclient.push_all(peers, self.key, new, enough=len(self.peers) // 2, on_late=late)
+            for addr, err in pushed.items():
+                self._push_failed(addr, err, len(new))
         return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names))
+
+    def _push_failed(self, addr: str, err: str | None, count: int) -> None:
+        if err:
+            log.warning("replica %d could not push %d blob(s) to %s: %s", self.id, count, addr, err)
 
     def _copy_in(self, mv: memoryview) -> tuple[str, object | None]:
         """Copy a live buffer into the store (its digest computed while copying); returns the
@@ -457,6 +467,8 @@ class Replica:
 
     def _blob(self, d: str):
         data = self.store.get(d)
+        if data is None and self.store.wait_incoming(d, self.settings.blob_wait_s):
+            data = self.store.get(d)  # the executor's push was still arriving
         if data is None:
             data = blobclient.fetch(self.other_blob_addrs(), self.key, d, store=self.store)
         return data

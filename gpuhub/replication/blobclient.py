@@ -8,6 +8,7 @@ import hmac
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 
 from gpuhub.replication import blobwire as wire
 from gpuhub.replication.blobstore import BlobStore
@@ -91,24 +92,38 @@ def push(addr: str, key: bytes, items: dict[str, bytes | bytearray | memoryview]
 
 
 def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | memoryview],
-             timeout: float = 30) -> dict[str, str | None]:
-    """:func:`push` to every peer at once (a thread each); returns ``addr -> error text or None``."""
+             timeout: float = 30, *, enough: int | None = None,
+             on_late: Callable[[str, str | None], None] | None = None) -> dict[str, str | None]:
+    """:func:`push` to every peer at once (a thread each). Returns ``addr -> error text or None``
+    once ``enough`` peers have every item (default: all of them) or every push has ended; the
+    pushes still under way then go on, and ``on_late(addr, error or None)`` gets their end.
+    The items must not change until every push has ended."""
     results: dict[str, str | None] = {}
+    done = threading.Condition()
+    returned = False
 
     def one(addr: str) -> None:
+        nonlocal returned
         try:
             push(addr, key, items, timeout)
-            results[addr] = None
+            err = None
         except Exception as e:
-            results[addr] = str(e) if isinstance(e, BlobError) else f"{addr}: {e!r}"
+            err = str(e) if isinstance(e, BlobError) else f"{addr}: {e!r}"
+        with done:
+            results[addr] = err
+            late = returned
+            done.notify_all()
+        if late and on_late is not None:
+            on_late(addr, err)
 
-    threads = [threading.Thread(target=one, args=(a,), name=f"blob-push-{a}", daemon=True)
-               for a in addrs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {a: results.get(a, f"{a}: push did not finish") for a in addrs}
+    need = len(addrs) if enough is None else min(enough, len(addrs))
+    for a in addrs:
+        threading.Thread(target=one, args=(a,), name=f"blob-push-{a}", daemon=True).start()
+    with done:
+        done.wait_for(lambda: len(results) == len(addrs)
+                      or sum(err is None for err in results.values()) >= need)
+        returned = True
+        return dict(results)
 
 
 def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,

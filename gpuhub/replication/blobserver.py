@@ -213,17 +213,22 @@ class BlobServer:
                 buf = self.store.alloc(length)  # before "continue": a refusal costs no transfer
             except MemoryError:
                 raise _ProtocolError(f"no memory for a value of {length} bytes") from None
-            conn.sendall(wire.REP.pack(b"C", 0))
-            view = memoryview(buf)[:length]
-            got = wire.recv_body(conn, view, self.verify)
-            del view
+            self.store.incoming(d)
+            try:
+                conn.sendall(wire.REP.pack(b"C", 0))
+                view = memoryview(buf)[:length]
+                got = wire.recv_body(conn, view, self.verify)
+                del view
+                if not self.verify or got == d:
+                    self.store.adopt(d, buf, length)
+            finally:
+                self.store.received(d)
             if self.verify and got != d:
                 self.store.recycle(buf)
                 self.log.warning("blob server %s: PUT from %s: digest mismatch for %s…; "
                                  "not stored", self.address, who, d[:16])
                 self._reply(conn, b"E", f"digest mismatch for {d}: not stored".encode())
                 return
-            self.store.adopt(d, buf, length)
             del buf  # before the reply: the sender may retain() at once (see BlobStore._spare)
             self._reply(conn, b"O")
         else:

@@ -12,6 +12,14 @@ that size (4.2 → 2.3 CPU-seconds for a 1 GiB push to two peers, bench/blob_ben
 private, copy-on-write mappings (:meth:`BlobStore.map_private`, gpuhub/kernel/replica.py): the
 stored bytes stay as received even when the value is written. Such files are never reused.
 
+**Forks.** ``BlobStore(keep_from_forks=True)`` (CPU kernels' replicas, whose cells run in the
+replica process) marks its large buffers ``MADV_DONTFORK``: a process forked from the replica
+neither shares nor copies them. The page tracker's sentinel child (gpuhub/kernel/dirty.py) would
+otherwise hold every page of the store, so that each copy into a reused buffer paid a
+copy-on-write fault per page (~0.6 s per GiB on the dev VM) and each fork copied the store's page
+tables. Nothing outside the replica process reads the store (a GPU cell's child does, so GPU
+kernels' stores are left as they are).
+
 **Filling a buffer.** :func:`copy_into` copies bytes into a store's buffer (the executor's copy of
 a live value, a follower's private copy of a blob it cannot map) without holding the GIL for the
 whole copy, so that the replica's Raft thread keeps running meanwhile.
@@ -22,6 +30,8 @@ not be mutated afterwards (the store keeps a reference, not a copy).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import os
 import sys
@@ -33,6 +43,38 @@ __all__ = ["FILE_MIN", "BlobStore", "copy_into"]
 FILE_MIN = 1 << 20
 """``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
 COPY_STEP = 64 << 20  # copy_into copies in steps, so another thread may take the GIL between them
+KEEP_FROM_FORKS_MIN = 32 << 20
+# glibc's malloc gives an allocation this large a mapping of its own, unmapped when it is freed
+# (its mmap threshold cannot be set higher), so marking its pages ends with it
+log = logging.getLogger("gpuhub.blobstore")
+
+
+def _keep_from_forks(buf: bytearray | _FileBuffer) -> None:
+    """MADV_DONTFORK on the whole pages of a large buffer of the store (see "Forks" above)."""
+    if isinstance(buf, _FileBuffer):
+        buf.madvise(mmap.MADV_DONTFORK)  # a mapping of its own
+        return
+    if len(buf) < KEEP_FROM_FORKS_MIN:
+        return
+    addr = ctypes.addressof((ctypes.c_char * 1).from_buffer(buf))
+    lo, hi = -(-addr // mmap.PAGESIZE) * mmap.PAGESIZE, (addr + len(buf)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if _in_heap(lo):
+        return  # malloc fell back to the brk heap: its pages may serve other objects once freed
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(lo, hi - lo, mmap.MADV_DONTFORK) != 0:
+        log.debug("MADV_DONTFORK on %d bytes failed: errno %d", hi - lo, ctypes.get_errno())
+
+
+def _in_heap(addr: int) -> bool:
+    """Whether ``addr`` lies in the process's brk heap (``[heap]`` in /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as f:
+        for line in f.read().splitlines():
+            if line.endswith(b"[heap]"):
+                start, end = (int(x, 16) for x in line.split(maxsplit=1)[0].split(b"-"))
+                if start <= addr < end:
+                    return True
+    return False
 
 
 def copy_into(dest: memoryview, src: memoryview) -> None:
@@ -90,14 +132,17 @@ class BlobStore:
     kept as spares (a private mapping of a reused file would see the new value's bytes).
     """
 
-    def __init__(self, spare_bytes: int = 0, *, file_backed: bool = False) -> None:
+    def __init__(self, spare_bytes: int = 0, *, file_backed: bool = False, keep_from_forks: bool = False) -> None:
         self.spare_bytes = spare_bytes
         self.file_backed = file_backed
+        self.keep_from_forks = keep_from_forks
         self._blobs: dict[str, bytes | bytearray | memoryview] = {}
         self._owned: dict[str, int] = {}  # digest -> length, for buffers from alloc()
         self._spares: list[bytearray] = []
         self._nbytes = 0
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._incoming: dict[str, int] = {}  # digest -> PUTs of it being received now
 
     def put(self, d: str, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` under ``d`` (the caller vouches that ``d == digest(data)`` and will not
@@ -120,12 +165,16 @@ class BlobStore:
                 if fits:
                     buf = min(fits, key=len)
                     self._spares = [b for b in self._spares if b is not buf]
-                    return buf
-            return bytearray(n)
-        try:
-            return _FileBuffer.create(n)
-        except OSError as e:
-            raise MemoryError(f"no memfd for {n} bytes: {e}") from None
+                    return buf  # marked when it was first allocated
+            buf = bytearray(n)
+        else:
+            try:
+                buf = _FileBuffer.create(n)
+            except OSError as e:
+                raise MemoryError(f"no memfd for {n} bytes: {e}") from None
+        if self.keep_from_forks:
+            _keep_from_forks(buf)
+        return buf
 
     def adopt(self, d: str, buf: bytearray | _FileBuffer, n: int) -> None:
         """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
@@ -164,6 +213,28 @@ class BlobStore:
                 return None
             return mmap.mmap(buf.fd, length, flags=mmap.MAP_PRIVATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+
+    # --- values on their way in (a peer's PUT) -----------------------------------------------
+    def incoming(self, d: str) -> None:
+        """A value with digest ``d`` is being received now; pair with :meth:`received`."""
+        with self._lock:
+            self._incoming[d] = self._incoming.get(d, 0) + 1
+
+    def received(self, d: str) -> None:
+        """The receive announced by :meth:`incoming` ended (stored or not)."""
+        with self._lock:
+            left = self._incoming.pop(d, 1) - 1
+            if left > 0:
+                self._incoming[d] = left
+            self._arrived.notify_all()
+
+    def wait_incoming(self, d: str, timeout: float) -> bool:
+        """Wait while ``d`` is being received (an executor returns once a majority has its new
+        values, so the last peer may still be receiving one when it must load it: waiting costs
+        less than fetching it a second time). True when ``d`` is stored now."""
+        with self._lock:
+            self._arrived.wait_for(lambda: d in self._blobs or d not in self._incoming, timeout)
+            return d in self._blobs
 
     def has(self, d: str) -> bool:
         with self._lock:

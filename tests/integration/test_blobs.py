@@ -4,9 +4,12 @@ tests/unit/test_digest.py, tests/unit/test_blobstore.py."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -73,6 +76,57 @@ def test_push_all_reports_a_down_peer_without_hiding_the_others(servers):
     errors = push_all([down, a.address], KEY, {digest(b"v"): b"v"})
     assert errors[a.address] is None and "cannot connect" in errors[down]
     assert a.store.has(digest(b"v"))
+
+
+def test_push_all_returns_once_enough_peers_have_the_values(servers):
+    """An executor needs a majority, not every peer: push_all(enough=1) returns when one peer
+    has the values; a peer still in its push is reported later through on_late."""
+    (a,) = servers(1)
+    stalled = socket.socket()  # accepts and never says hello: the push to it hangs until its timeout
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen()
+    slow = f"127.0.0.1:{stalled.getsockname()[1]}"
+    late: dict[str, str | None] = {}
+    ended = threading.Event()
+
+    def on_late(addr: str, err: str | None) -> None:
+        late[addr] = err
+        ended.set()
+
+    try:
+        value = b"v" * 100_000
+        errors = push_all([slow, a.address], KEY, {digest(value): value}, timeout=5, enough=1,
+                          on_late=on_late)
+        assert errors == {a.address: None}  # back before the stalled push ended
+        assert a.store.has(digest(value)) and not ended.is_set()
+        assert ended.wait(30), "the stalled push was never reported"
+        assert list(late) == [slow] and "failed" in late[slow]
+    finally:
+        stalled.close()
+
+
+def test_wait_incoming_ends_when_the_value_is_stored_or_its_receive_fails(servers):
+    """A replica that must load a value while its PUT still arrives waits for it
+    (BlobStore.wait_incoming) instead of fetching it a second time."""
+    (a,) = servers(1)
+    value = np.arange(4 * MIB // 8, dtype=np.float64).tobytes()
+    d = digest(value)
+    assert not a.store.wait_incoming(d, 0)  # nothing on its way: no wait
+    a.store.incoming(d)  # as the server does when a PUT's body begins
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(d, 30)))
+    waiter.start()
+    push(a.address, KEY, {d: value})  # the PUT arrives and is stored: the waiter has it
+    waiter.join(30)
+    assert waited == [True] and bytes(a.store.get(d)) == value
+    a.store.received(d)
+    other = digest(b"never stored")
+    a.store.incoming(other)
+    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(other, 30)))
+    waiter.start()
+    a.store.received(other)  # the receive failed (a digest mismatch, a dead peer): fetch instead
+    waiter.join(30)
+    assert waited == [True, False]
 
 
 def test_fetch_falls_back_to_the_next_peer(servers):
@@ -237,3 +291,38 @@ def test_a_corrupted_stored_large_blob_is_refused_by_fetch():
             fetch([server.address], KEY, d)
     finally:
         server.stop()
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            if start <= addr < end:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_a_store_kept_from_forks_is_not_in_a_forked_child(anonymous):
+    """A CPU kernel's store (keep_from_forks) is not inherited by a fork (the page tracker's
+    sentinel, user code's multiprocessing): writes into its buffers pay no copy-on-write fault and
+    a fork copies none of its page tables. Small buffers (in malloc's heap) are left alone."""
+    store = BlobStore(file_backed=True, keep_from_forks=True)
+    big = store.alloc(64 * MIB, anonymous=anonymous)
+    small = store.alloc(1000, anonymous=anonymous)
+    middle = lambda b: ctypes.addressof((ctypes.c_char * 1).from_buffer(b)) + len(b) // 2  # noqa: E731
+    addrs = [middle(big), middle(small)]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, bytes(_mapped(a) for a in addrs))
+        finally:
+            os._exit(0)
+    os.close(w)
+    seen = os.read(r, 2)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert seen == bytes([False, True]) and all(_mapped(a) for a in addrs)
+    memoryview(big)[:5] = b"still"  # and the parent uses it as before
+    assert bytes(memoryview(big)[:5]) == b"still"

@@ -566,17 +566,14 @@ async def test_a_reconnect_while_old_monitor_endpoints_are_still_bound(shared_ro
     an old one (and its monitor endpoint) in the background: a reconnect failed with EADDRINUSE.
     Here every such default name is taken, as a slow background close would leave it."""
     router, _, kc = shared_routed
-    taken = []
+    holder = router._ctx.socket(zmq.PAIR)  # one socket, many endpoints: no socket limit reached
     try:
         # every number a new socket's descriptor can get: those in use now and the next ones
         for fd in range(max(int(f) for f in os.listdir("/proc/self/fd")) + 64):
-            sock = router._ctx.socket(zmq.PAIR)
-            sock.bind(f"inproc://monitor.s-{fd}")
-            taken.append(sock)
+            holder.bind(f"inproc://monitor.s-{fd}")
         router.replace_replica(shared_replicas.infos[0])  # the same address: sockets anew
     finally:
-        for sock in taken:
-            sock.close(linger=0)
+        holder.close(linger=0)
     assert await _wait_for(lambda: router.live_replicas() == [0, 1, 2], 15)
     reply, _ = await _execute(kc, "1 + 1")
     assert reply["content"]["status"] == "ok"
