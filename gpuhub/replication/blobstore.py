@@ -17,8 +17,9 @@ replica process) marks its large buffers ``MADV_DONTFORK``: a process forked fro
 neither shares nor copies them. The page tracker's sentinel child (gpuhub/kernel/dirty.py) would
 otherwise hold every page of the store, so that each copy into a reused buffer paid a
 copy-on-write fault per page (~0.6 s per GiB on the dev VM) and each fork copied the store's page
-tables. Nothing outside the replica process reads the store (a GPU cell's child does, so GPU
-kernels' stores are left as they are).
+tables. Nothing outside the replica process reads the store's buffers. GPU kernels' stores are
+not marked yet: their cell's child (forked per cell) reads only which digests the store has, so it
+could skip them too, for a cheaper fork; not measured.
 
 **Filling a buffer.** :func:`copy_into` copies bytes into a store's buffer (the executor's copy of
 a live value, a follower's private copy of a blob it cannot map) without holding the GIL for the
