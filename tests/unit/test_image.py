@@ -209,3 +209,26 @@ def test_random_graphs_keep_values_and_identities(ns, oob):
     # twice over (a follower's image becomes the next executor's): still the same graph
     again, _ = roundtrip(got, min_buffer=64 if oob else images.BUFFER_MIN_BYTES)
     assert identity_shape(again) == identity_shape(ns)
+
+
+def test_finding_what_cannot_pickle_copies_no_large_buffer(monkeypatch):
+    """An unpicklable value (a thread, a lock, an open file) makes every capture look for it,
+    value by value; that search must leave large buffers out of band, not copy them into its
+    throwaway streams (2 s per GiB, every cell, while such a value stayed)."""
+    copied: list[int] = []
+    real = images._dumps
+
+    def spy(value, take, namespace=None):
+        def watched(pb):
+            in_band = take(pb)
+            if in_band and pb.raw().nbytes >= images.BUFFER_MIN_BYTES:
+                copied.append(pb.raw().nbytes)
+            return in_band
+        return real(value, watched, namespace)
+
+    monkeypatch.setattr(images, "_dumps", spy)
+    ns = {"big": np.ones(1 << 18), "lock": threading.Lock(), "Out": {1: np.ones(1 << 18), 2: threading.Lock()}}
+    cap = images.capture(ns, set())
+    assert set(cap.failed) == {"lock"} and "big" in cap.names
+    assert copied == []
+    assert len(cap.buffers) == 2  # big and Out[1], out of band
