@@ -11,8 +11,8 @@ SHA-256 and uses the CPU's SIMD units. Measured on the 2-core AMD EPYC (AVX2, SH
 dev VM, 1 GiB, one thread: BLAKE3 3.6 GB/s, sha256 1.57 (with SHA-NI), sha1 1.68, blake2b 0.81
 (``python -m bench digest``). Every replica of a group must name values the same way: the tag
 says the format, and a change of format (v1 was SHA-256 leaves) means restarting kernels across
-an upgrade (docs/install.md, "Upgrading"). 16 MiB leaves let values of 32-64 MiB hash in parallel too and
-shorten the receive/hash pipeline's tail; a leaf costs one pool task, nothing measurable.
+an upgrade (docs/install.md, "Upgrading"). 16 MiB leaves let values of 32-64 MiB hash in
+parallel too and shorten the receive/hash pipeline's tail; a leaf costs one pool task.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class KernelLog(SyncObjConsumer):
         return self.elections[key]
 
     def election_begun(self, cell: str) -> bool:
-        """Whether an election (any attempt) for ``cell`` has an entry and the cell has not ended."""
+        """Whether an election (any attempt) for ``cell`` has an entry (whether or not the cell ended)."""
         return any(key[0] == cell for key in self.elections)
 
     def holds_lease(self, cell: str, replica: int) -> bool:

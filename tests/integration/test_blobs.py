@@ -19,6 +19,7 @@ from gpuhub.replication.blobclient import BlobError, fetch, push, push_all
 from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
+from tests.helpers import wait_for
 
 KEY = b"k" * 32
 MIB = 1 << 20
@@ -82,7 +83,7 @@ def test_push_all_returns_once_enough_peers_have_the_values(servers):
     """An executor needs a majority, not every peer: push_all(enough=1) returns when one peer
     has the values; a peer still in its push is reported later through on_late."""
     (a,) = servers(1)
-    stalled = socket.socket()  # accepts and never says hello: the push to it hangs until its timeout
+    stalled = socket.socket()  # accepts and never says hello: the push to it waits until it closes
     stalled.bind(("127.0.0.1", 0))
     stalled.listen()
     slow = f"127.0.0.1:{stalled.getsockname()[1]}"
@@ -95,38 +96,42 @@ def test_push_all_returns_once_enough_peers_have_the_values(servers):
 
     try:
         value = b"v" * 100_000
-        errors = push_all([slow, a.address], KEY, {digest(value): value}, timeout=5, enough=1,
+        errors = push_all([slow, a.address], KEY, {digest(value): value}, timeout=120, enough=1,
                           on_late=on_late)
-        assert errors == {a.address: None}  # back before the stalled push ended
+        assert errors == {a.address: None}  # back while the other push still waits
         assert a.store.has(digest(value)) and not ended.is_set()
-        assert ended.wait(30), "the stalled push was never reported"
-        assert list(late) == [slow] and "failed" in late[slow]
     finally:
-        stalled.close()
+        stalled.close()  # resets the queued connection: that push ends now, with an error
+    assert ended.wait(60), "the stalled push was never reported"
+    assert list(late) == [slow] and "failed" in late[slow]
 
 
-def test_wait_incoming_ends_when_the_value_is_stored_or_its_receive_fails(servers):
+def test_a_load_waits_for_a_value_still_arriving(servers):
     """A replica that must load a value while its PUT still arrives waits for it
-    (BlobStore.wait_incoming) instead of fetching it a second time."""
+    (BlobStore.wait_incoming) instead of fetching it a second time; a receive that ends without
+    storing it (a digest mismatch, a dead peer) ends the wait with False: then it fetches."""
     (a,) = servers(1)
     value = np.arange(4 * MIB // 8, dtype=np.float64).tobytes()
-    d = digest(value)
+    d, other = digest(value), digest(b"never stored")
     assert not a.store.wait_incoming(d, 0)  # nothing on its way: no wait
+
+    def once_waiting(then) -> threading.Thread:
+        def run():
+            wait_for(lambda: a.store._arrived._waiters, 30, "the load to wait")
+            then()
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
     a.store.incoming(d)  # as the server does when a PUT's body begins
-    waited = []
-    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(d, 30)))
-    waiter.start()
-    push(a.address, KEY, {d: value})  # the PUT arrives and is stored: the waiter has it
-    waiter.join(30)
-    assert waited == [True] and bytes(a.store.get(d)) == value
+    t = once_waiting(lambda: push(a.address, KEY, {d: value}))  # the PUT arrives meanwhile
+    assert a.store.wait_incoming(d, 60) and bytes(a.store.get(d)) == value
+    t.join()
     a.store.received(d)
-    other = digest(b"never stored")
     a.store.incoming(other)
-    waiter = threading.Thread(target=lambda: waited.append(a.store.wait_incoming(other, 30)))
-    waiter.start()
-    a.store.received(other)  # the receive failed (a digest mismatch, a dead peer): fetch instead
-    waiter.join(30)
-    assert waited == [True, False]
+    t = once_waiting(lambda: a.store.received(other))
+    assert a.store.wait_incoming(other, 60) is False
+    t.join()
 
 
 def test_fetch_falls_back_to_the_next_peer(servers):
