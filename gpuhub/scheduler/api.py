@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
+import gpuhub
 from gpuhub.platform.http_client import ApiClientError
 from gpuhub.platform.http_server import (
     ApiError,
@@ -60,7 +61,7 @@ class HeartbeatHandler(SchedulerHandler):
 class NodesHandler(SchedulerHandler):
     def get(self) -> None:
         self.require_admin()
-        self.write_json({"nodes": self.scheduler.nodes_view()})
+        self.write_json({"nodes": self.scheduler.nodes_view(), "scheduler": {"version": gpuhub.__version__}})
 
 
 class KernelRequest(Body):

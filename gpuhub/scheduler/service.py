@@ -159,7 +159,8 @@ class Scheduler:
     def nodes_view(self) -> list[dict]:
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen,
-             **{k: r.info.get(k) for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units")}}
+             **{k: r.info.get(k)
+                for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version")}}
             for r in self.nodes.values()
         ]
 

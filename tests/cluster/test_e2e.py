@@ -296,6 +296,22 @@ def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
         bob.stop_server()
 
 
+def test_admin_sees_the_kernel_and_every_servers_version(cluster, alice_kernel):
+    """`gpuhub kernels` and `gpuhub version` as root on the hub, as an admin runs them after the install."""
+    kid, _ = alice_kernel
+    hub = cluster.groups["hub"][0]
+    cli = "/opt/gpuhub/venv/bin/gpuhub"
+    kernels = json.loads(cluster.exec(hub, cli, "kernels", "--user", "alice", "--json"))["kernels"]
+    mine = next(k for k in kernels if k["kernel_id"] == kid)
+    assert mine["user"] == "alice" and len(mine["replicas"]) == 3
+    assert {r["node"] for r in mine["replicas"]} <= set(cluster.groups["gpu_nodes"])
+    assert kid in cluster.exec(hub, cli, "kernels")
+    versions = json.loads(cluster.exec(hub, cli, "version", "--json"))
+    servers = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
+    assert versions["scheduler"] == versions["cli"] and set(versions["nodes"]) == servers
+    assert set(versions["nodes"].values()) == {versions["cli"]}, versions
+
+
 def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
     """The real daemons and the real JupyterHub, with the tokens the roles gave Prometheus (the
     local monitoring tests stand in a stub for the hub: here it is the real one)."""
