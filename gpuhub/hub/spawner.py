@@ -24,6 +24,17 @@ DEFAULT_PROFILES = [
 ]
 
 
+def kernel_args(profile: dict, others: list[str]) -> list[str]:
+    """jupyterhub-singleuser arguments that make a profile's server offer its own kernel, the
+    replicated gpuhub-<profile> (also the default for a new notebook, CPU profile included), and
+    only ``others`` besides: JupyterLab's launcher then lists what this profile runs, not every
+    profile's kernels."""
+    own = f"gpuhub-{profile['name']}"
+    allowed = [own, *(k for k in others if k != own)]
+    return [f"--MappingKernelManager.default_kernel_name={own}",
+            *(f"--KernelSpecManager.allowed_kernelspecs={k}" for k in allowed)]
+
+
 def unit_name_for(user: str, server: str) -> str:
     raw = f"{user}-{server}" if server else user
     safe = re.sub(r"[^a-z0-9_.-]", "-", raw.lower()).strip("-.") or "user"
@@ -41,6 +52,9 @@ class GpuhubSpawner(BatchSpawnerBase):
     venv = Unicode("/opt/gpuhub/venv", config=True)
     profiles = List(Dict(), config=True, help="[{name, display, gpus}] offered on the spawn form")
     server_args = List(Unicode(), config=True, help="Extra arguments for jupyterhub-singleuser")
+    other_kernelspecs = List(Unicode(), ["python3"], config=True,
+                             help="Kernelspecs every profile offers besides its own gpuhub-<profile>: by default "
+                                  "ipykernel's plain python3 on the notebook host, where the kernelspecs role keeps it")
 
     @default("profiles")
     def _default_profiles(self):
@@ -90,9 +104,8 @@ class GpuhubSpawner(BatchSpawnerBase):
         env["PATH"] = f"{self.venv}/bin:/usr/local/bin:/usr/bin:/bin"
         env["GPUHUB_PROFILE"] = str(profile["name"])
         env["GPUHUB_MAX_GPUS"] = str(int(profile.get("gpus", 0)))
-        argv = [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args(), *self.server_args]
-        if int(profile.get("gpus", 0)) > 0:
-            argv.append(f"--MappingKernelManager.default_kernel_name=gpuhub-{profile['name']}")
+        argv = [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args(), *self.server_args,
+                *kernel_args(profile, list(self.other_kernelspecs))]
         name = unit_name_for(self.user.name, self.name)
         try:
             await call_json("POST", f"{self.agent_url}/api/v1/units", self._token, {

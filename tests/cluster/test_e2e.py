@@ -218,6 +218,15 @@ def test_wrong_password_is_refused(cluster):
     assert r.status_code not in (302, 303)
 
 
+def test_the_server_offers_its_profiles_kernel_only(alice):
+    """JupyterLab's launcher lists what the server's profile runs: its own replicated kernel (the
+    default for a new notebook) and the plain python3 the kernelspecs role keeps, not every
+    profile's gpuhub kernels."""
+    specs = alice.api("GET", "/user/alice/api/kernelspecs").json()
+    assert specs["default"] == "gpuhub-gpu1"
+    assert set(specs["kernelspecs"]) == {"gpuhub-gpu1", "python3"}, sorted(specs["kernelspecs"])
+
+
 def test_cell_sees_exactly_a_fake_gpu_of_its_node(cluster, alice_kernel):
     _, channel = alice_kernel
     out = channel.run(WHERE)
