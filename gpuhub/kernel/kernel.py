@@ -256,7 +256,7 @@ class GpuhubKernel(IPythonKernel):
                 told = waited
             self._interrupted.wait(backoff)
             backoff = min(backoff * 2, 2.0)
-            attempt += 1
+            attempt = rep.next_attempt(cell, attempt)
 
     async def _run_under_lease(self, rep, cell, code, silent, store_history, user_expressions, allow_stdin,
                                cell_meta, cell_id) -> dict | None:

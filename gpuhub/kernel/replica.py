@@ -301,6 +301,13 @@ class Replica:
                 (cell, attempt) in self.state.elections
                 and self.state.elections[(cell, attempt)].outcome is not None), 0.1)
 
+    def next_attempt(self, cell: str, attempt: int) -> int:
+        """The attempt to take part in after ``attempt`` failed: the next one, or a later one the
+        others have already begun (a replica handed the cell late, when it joined the group
+        while the cell waited for a GPU, goes straight to where the others are)."""
+        with self.state.changed:
+            return max(attempt + 1, self.state.latest_attempt(cell))
+
     # --- 1'. the executor lease: most cells need no election -----------------------------
     def lease(self, cell: str) -> tuple[CellOutcome | None, int | None, bool]:
         """What this replica's log says of ``cell`` now: its outcome if it ended, the lease holder

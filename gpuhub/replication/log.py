@@ -108,6 +108,10 @@ class KernelLog(SyncObjConsumer):
         """Whether an election (any attempt) for ``cell`` has an entry (whether or not the cell ended)."""
         return any(key[0] == cell for key in self.elections)
 
+    def latest_attempt(self, cell: str) -> int:
+        """The highest attempt at ``cell`` that has an entry here; -1 when none has."""
+        return max((attempt for c, attempt in self.elections if c == cell), default=-1)
+
     def holds_lease(self, cell: str, replica: int) -> bool:
         """Whether ``replica`` may run ``cell`` under the executor lease: it executed the last
         completed cell, nothing has ended ``cell`` and no election for it has begun."""

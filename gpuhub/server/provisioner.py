@@ -90,7 +90,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
         self._last_poll = (0.0, None)  # a restart must not reuse the dead kernel's answer
         replicas = [{"id": r.get("id", i), **r["connection"]} for i, r in enumerate(record["replicas"])]
         if self._router is None:
-            self._router = KernelRouter(replicas, key.encode(), log=self.log)
+            self._router = KernelRouter(replicas, key.encode(), log=self.log, name=self.kernel_id)
             self._client_conn = await self._router.start()
         else:  # a restart: same router and ports, fresh replicas
             for r in replicas:

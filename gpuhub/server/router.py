@@ -98,6 +98,11 @@ class _Msg:
         return sum(len(f) for f in self.frames)
 
 
+class _Named(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"kernel {self.extra['kernel']}: {msg}", kwargs
+
+
 @dataclass
 class _Held:
     """A verified client request the router holds: not yet forwarded to any replica."""
@@ -114,6 +119,7 @@ class _Running:
     silent: bool
     stop_on_error: bool
     sent_to: set[int]
+    frames: list[bytes]  # as the client sent it: a replica that joins while it runs gets it too
 
 
 def _loads(raw: bytes) -> dict[str, Any]:
@@ -198,13 +204,15 @@ class KernelRouter:
     def __init__(self, replicas: list[dict], key: bytes, *, ip: str = "127.0.0.1",
                  ports: dict | None = None, signature_scheme: str = "hmac-sha256",
                  log: logging.Logger | None = None, hb_interval_s: float = 1.0,
-                 hb_timeout_s: float = 3.0):
+                 hb_timeout_s: float = 3.0, name: str = ""):
         if not replicas:
             raise ValueError("a router needs at least one replica")
         self.key = key.encode() if isinstance(key, str) else bytes(key)
         self.ip = ip
         self.signature_scheme = signature_scheme
         self.log = log or logging.getLogger(__name__)
+        if name:  # a Jupyter server routes many kernels into one log: say which one speaks
+            self.log = _Named(self.log, {"kernel": name})
         self.hb_interval_s = hb_interval_s
         self.hb_timeout_s = hb_timeout_s
         self._want_ports = {k: int((ports or {}).get(k) or 0) for k in PORT_KEYS}
@@ -306,6 +314,8 @@ class KernelRouter:
         new.live = False  # until it answers; it gets no startup grace (see _is_live)
         self._replicas[new.id] = new
         self._forget(new.id)
+        if self._running is not None:
+            self._running.sent_to.discard(new.id)  # the old process got the cell, not this one
         if self._ctx is not None and not self._stopped:
             self._connect(new)
         self.log.info("replica %s moved from %s to %s", new.id, old.address, new.address)
@@ -466,6 +476,7 @@ class KernelRouter:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 rep.connected.add(channel)
                 await self._check_open()
+                await self._hand_running(rep)
             elif event == zmq.EVENT_DISCONNECTED:
                 rep.connected.discard(channel)
                 if channel == "iopub_port":
@@ -650,13 +661,32 @@ class KernelRouter:
             self._last_execute = msg_id
             content = msg.content()
             self._running = _Running(msg_id, bool(content.get("silent", False)),
-                                     bool(content.get("stop_on_error", True)), sent)
+                                     bool(content.get("stop_on_error", True)), sent, msg.frames)
             if sent != set(self._replicas):
                 # a lease holder that did not get the cell cannot run it: the others must know
                 for rid in sorted(sent):
                     await self._send_note(self._replicas[rid], "control_port",
                                           {"cell": msg_id, "to": sorted(sent)})
         return len(sent)
+
+    async def _hand_running(self, rep: _Replica) -> None:
+        """A replica that joined the group (or was replaced) while a cell runs gets that cell too,
+        once it is ready: the cell may be waiting for a GPU that only the newcomer's server has
+        free (every other replica's server is busy), and only a replica that got the cell can
+        offer to run it. It hears that it missed the last cell (so it catches up first) and which
+        replicas got this one (whether the lease holder can run it)."""
+        running = self._running
+        if (running is None or rep.id in running.sent_to or not rep.ready or self._stopped
+                or self._replicas.get(rep.id) is not rep):
+            return
+        to = sorted(running.sent_to | {rep.id})
+        await self._send_note(rep, "control_port", {"cell": running.msg_id, "to": to})
+        await self._send_note(rep, "shell_port", {"cell": running.msg_id, "missed": True})
+        if self._running is running and rep.id not in running.sent_to and await self._send(
+                rep.sockets.get("shell_port"), running.frames, f"replica {rep.id}"):
+            running.sent_to.add(rep.id)
+            rep.last_execute = running.msg_id
+            self.log.info("replica %s joined while %s runs: it got that cell too", rep.id, running.msg_id)
 
     async def _send_note(self, rep: _Replica, channel: str, content: dict) -> None:
         """A dispatch note (gpuhub/platform/messages.py) to one replica, signed with the kernel's key."""
@@ -773,6 +803,7 @@ class KernelRouter:
                 # would count as live for the whole grace.
                 self._heard_from(rep)
                 await self._check_open()
+                await self._hand_running(rep)
             return
         parent_id = msg.parent_id
         if parent_id in self._notes:

@@ -342,6 +342,52 @@ def test_replica_dead_on_a_live_node_is_replaced(tmp_path):
         cluster.stop()
 
 
+def test_a_cell_waiting_for_a_gpu_runs_on_a_replacement_that_joins_meanwhile(tmp_path):
+    """A replica's server is lost and, before the router hears of its replacement, the user runs
+    a cell that every remaining replica's server is too busy to run: the cell waits for a GPU. The
+    replacement, on a server with a free GPU, joins the group meanwhile: the router hands it the
+    waiting cell, and it runs it (it does not wait for the others' GPUs until the grant timeout)."""
+    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, replica_dead_grace_s=1).start()
+    kernel = None
+    try:
+        kernel = ReplicatedKernel(cluster, gpus=1)
+        ok(kernel, "x = 1")
+        first = executor_node(kernel)
+        placed = {r["node"] for r in kernel.record["replicas"]}
+        spare = next(a.name for a in cluster.agents if a.name not in placed)
+        dead = next(r for r in kernel.record["replicas"] if r["node"] != first)
+        os.kill(kernel.pid(dead["id"]), signal.SIGKILL)
+        ok(kernel, "x += 1", timeout=30)  # two replicas are a majority
+        for node in placed - {dead["node"]}:
+            take_the_gpu(cluster.agent(node), f"hog{node[-1]}")
+
+        msg_id = kernel.kc.execute("x += 1\nimport os; print(os.environ['GPUHUB_NODE'], x)")
+        streams = {"stdout": "", "stderr": ""}
+
+        def next_of_cell() -> dict:
+            while True:
+                msg = kernel.kc.get_iopub_msg(timeout=60)
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    if msg["msg_type"] == "stream":
+                        streams[msg["content"]["name"]] += msg["content"]["text"]
+                    return msg
+        wait_for(lambda: next_of_cell() and "waiting for 1 GPU(s)" in streams["stderr"], 60,
+                 "the cell to say that it waits for a GPU")
+
+        def replaced():
+            record = kernel.refresh()  # the provisioner's poll: the router meets the replacement
+            return spare in {r["node"] for r in record["replicas"]}
+        eventually(replaced, 60, f"a replacement replica on {spare}")
+        reply = kernel.kc.get_shell_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok", reply["content"]
+        wait_for(lambda: next_of_cell()["content"].get("execution_state") == "idle", 30, "the cell's idle")
+        assert streams["stdout"].split() == [spare, "3"], streams
+    finally:
+        if kernel is not None:
+            kernel.close()
+        cluster.stop()
+
+
 def _blob_addrs(pid: int) -> dict[int, str]:
     _, env, _ = _restartable(pid)
     doc = json.loads(Path(env["GPUHUB_PEERS_FILE"]).read_text())

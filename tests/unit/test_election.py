@@ -248,6 +248,24 @@ def test_a_holder_that_yields_begins_the_election_and_stays_sticky_for_later_att
     assert complete(log, "b", 0, 2, count=2) is True and log.previous_executor == 2
 
 
+def test_a_replica_handed_a_waiting_cell_late_joins_the_attempt_the_others_are_at():
+    """Every server busy: attempts 0 and 1 failed, attempt 2 is open. A replica that joined the
+    group meanwhile (the router hands it the waiting cell) takes part in attempt 2, where its LEAD
+    wins, rather than replaying attempts already decided."""
+    log = KernelLog(members=3)
+    ran(log, "a", 1)
+    assert log.latest_attempt("b") == -1
+    for attempt in (0, 1):
+        log.apply("propose", "b", attempt, 1, YIELD)
+        log.apply("propose", "b", attempt, 2, YIELD)
+        log.apply("vote", "b", attempt, 1, FAILED)  # the third member was silent: the timeout
+    log.apply("propose", "b", 2, 1, YIELD)
+    assert log.latest_attempt("b") == 2 and log.elections[("b", 2)].outcome is None
+    log.apply("propose", "b", log.latest_attempt("b"), 3, LEAD)
+    assert log.elections[("b", 2)].outcome == 3
+    assert complete(log, "b", 2, 3, count=2) is True and log.latest_attempt("b") == -1
+
+
 def test_a_proposal_by_another_replica_first_revokes_the_lease():
     """Another replica begins the election only when the router did not hand the cell to the
     holder: the lease is revoked there, in log order, and a late complete of the holder loses."""
