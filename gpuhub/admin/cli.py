@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-
-from gpuhub.platform.config import ConfigError, load_settings, read_secret
 
 
 def cmd_kernelspecs(args) -> int:
@@ -28,30 +25,25 @@ def cmd_kernelspecs(args) -> int:
     return 0
 
 
-def cmd_nodes(args) -> int:
-    from gpuhub.platform.http_client import ApiClientError, call_json_sync
-    from gpuhub.scheduler.config import SchedulerConfig
+def _status_commands(sub) -> None:
+    """nodes, kernels, leases, version: the scheduler's view (gpuhub/admin/status.py)."""
+    from gpuhub.admin import status
 
-    try:
-        config = load_settings(SchedulerConfig, args.config)
-        token = read_secret(config.token_file, "scheduler")
-    except ConfigError as exc:
-        print(f"gpuhub nodes: {exc}", file=sys.stderr)
-        return 2
-    host = "127.0.0.1" if config.listen_address in ("0.0.0.0", "::") else config.listen_address
-    try:
-        _, body = call_json_sync("GET", f"http://{host}:{config.port}/api/v1/nodes", token)
-    except ApiClientError as exc:
-        print(f"gpuhub nodes: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(body, indent=2))
-        return 0
-    print(f"{'NODE':<16} {'LIVE':<5} {'GPUS':>4} {'PENDING':>7} {'COMMITTED':>9} {'UNITS':>5}  BACKEND")
-    for n in body["nodes"]:
-        print(f"{n['node']:<16} {('yes' if n['live'] else 'NO'):<5} {n['gpu_count'] or 0:>4} {n['pending'] or 0:>7} "
-              f"{n['committed'] or 0:>9} {n['units'] or 0:>5}  {n['gpu_backend']}")
-    return 0
+    def add(name: str, help: str, view, *extra_args):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--config", default=status.DEFAULT_CONFIG,
+                       help=f"the scheduler's settings: its address and token (default {status.DEFAULT_CONFIG})")
+        p.add_argument("--json", action="store_true", help="print the scheduler's answer as JSON, for scripts")
+        for flags, kw in extra_args:
+            p.add_argument(*flags, **kw)
+        p.set_defaults(func=lambda args: status.run(name, args, view))
+
+    add("nodes", "the servers the scheduler knows: live, GPUs pending and committed, units, version",
+        status.nodes)
+    add("kernels", "every kernel and where its replicas run", status.kernels,
+        (("--user",), {"help": "only this user's kernels"}))
+    add("leases", "who holds which GPU now (the agents' last heartbeats)", status.leases)
+    add("version", "the version of this CLI, the scheduler and every server", status.versions)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ki.add_argument("--profile", action="append", default=[], help="NAME:GPUS, repeatable")
     ki.add_argument("--replicas", type=int, default=3)
     ki.set_defaults(func=cmd_kernelspecs)
-    n = sub.add_parser("nodes", help="list the nodes the scheduler knows")
-    n.add_argument("--config", default="/etc/gpuhub/scheduler.toml")
-    n.add_argument("--json", action="store_true")
-    n.set_defaults(func=cmd_nodes)
+    _status_commands(sub)
     sub.add_parser("sim", help="trace-driven simulator (gpuhub sim --help)")
     lk = sub.add_parser("local-kernel", help="run a replicated kernel on this machine (fake GPUs, no systemd)")
     from gpuhub.dev import localkernel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -25,6 +27,11 @@ class AgentCollector:
         for kind in ("kernel", "server"):
             units.add_metric([node, kind], sum(1 for u in a.units.values() if u.kind == kind))
         yield units
+        oldest = GaugeMetricFamily("gpuhub_agent_lease_oldest_seconds",
+                                   "How long the oldest GPU lease held now has been held (0: none)", labels=["node"])
+        now = time.time()
+        oldest.add_metric([node], max((now - lease.granted_at for lease in a.book.leases.values()), default=0.0))
+        yield oldest
         for key in ("granted", "refused", "expired", "released"):
             c = CounterMetricFamily(f"gpuhub_agent_leases_{key}", f"GPU lease requests {key}", labels=["node"])
             c.add_metric([node], a.counters[key])

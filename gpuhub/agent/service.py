@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import gpuhub
 from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
@@ -123,6 +124,7 @@ class Agent:
             "committed": self.book.committed,
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "units": len(self.units),
+            "version": gpuhub.__version__,
         }
 
     # --- units ---------------------------------------------------------------

@@ -24,6 +24,32 @@ DEFAULT_PROFILES = [
 ]
 
 
+def kernel_args(profile: dict, others: list[str]) -> list[str]:
+    """jupyterhub-singleuser arguments that make a profile's server offer its own kernel, the
+    replicated gpuhub-<profile> (also the default for a new notebook, CPU profile included), and
+    only ``others`` besides: JupyterLab's launcher then lists what this profile runs, not every
+    profile's kernels."""
+    own = f"gpuhub-{profile['name']}"
+    allowed = [own, *(k for k in others if k != own)]
+    return [f"--MappingKernelManager.default_kernel_name={own}",
+            *(f"--KernelSpecManager.allowed_kernelspecs={k}" for k in allowed)]
+
+
+async def least_loaded_agent(urls: list[str], token: str) -> str:
+    """The notebook host whose agent runs the fewest units now (ties: the first listed); hosts
+    whose agent does not answer are passed over. Raises RuntimeError when none answers."""
+    loads: list[tuple[int, int, str]] = []
+    for i, url in enumerate(urls):
+        try:
+            _, node = await call_json("GET", f"{url}/api/v1/node", token, timeout=10)
+            loads.append((int(node.get("units") or 0), i, url))
+        except ApiClientError:
+            continue
+    if not loads:
+        raise RuntimeError(f"no notebook host answers ({', '.join(urls)}): ask your admin")
+    return min(loads)[2]
+
+
 def unit_name_for(user: str, server: str) -> str:
     raw = f"{user}-{server}" if server else user
     safe = re.sub(r"[^a-z0-9_.-]", "-", raw.lower()).strip("-.") or "user"
@@ -36,11 +62,19 @@ class GpuhubSpawner(BatchSpawnerBase):
     # batchspawner reads ip from the class default on start (config is ignored there).
     ip = Unicode("0.0.0.0")
 
-    agent_url = Unicode("http://127.0.0.1:8601", config=True, help="The notebook host's gpuhub-agent")
+    agent_url = Unicode("http://127.0.0.1:8601", config=True,
+                        help="The notebook host's gpuhub-agent (one host; agent_urls lists several)")
+    agent_urls = List(Unicode(), config=True,
+                      help="Every notebook host's gpuhub-agent: a new server goes to the one running the fewest "
+                           "units. Empty: agent_url only.")
+    job_agent = Unicode("", help="The agent that runs this server's unit (kept in the spawner's state)")
     agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True)
     venv = Unicode("/opt/gpuhub/venv", config=True)
     profiles = List(Dict(), config=True, help="[{name, display, gpus}] offered on the spawn form")
     server_args = List(Unicode(), config=True, help="Extra arguments for jupyterhub-singleuser")
+    other_kernelspecs = List(Unicode(), ["python3"], config=True,
+                             help="Kernelspecs every profile offers besides its own gpuhub-<profile>: by default "
+                                  "ipykernel's plain python3 on the notebook host, where the kernelspecs role keeps it")
 
     @default("profiles")
     def _default_profiles(self):
@@ -64,8 +98,10 @@ class GpuhubSpawner(BatchSpawnerBase):
         for i, p in enumerate(self.profiles):
             checked = " checked" if i == 0 else ""
             name, label = html.escape(str(p["name"])), html.escape(str(p.get("display", p["name"])))
+            about = p.get("description")
+            note = f'<br><small class="text-muted">{html.escape(str(about))}</small>' if about else ""
             rows.append(f'<div class="radio"><label><input type="radio" name="profile" value="{name}"{checked}> '
-                        f"{label}</label></div>")
+                        f"{label}{note}</label></div>")
         return "<p>Kernels get their GPUs only while a cell runs.</p>" + "\n".join(rows)
 
     def options_from_form(self, formdata):
@@ -90,18 +126,19 @@ class GpuhubSpawner(BatchSpawnerBase):
         env["PATH"] = f"{self.venv}/bin:/usr/local/bin:/usr/bin:/bin"
         env["GPUHUB_PROFILE"] = str(profile["name"])
         env["GPUHUB_MAX_GPUS"] = str(int(profile.get("gpus", 0)))
-        argv = [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args(), *self.server_args]
-        if int(profile.get("gpus", 0)) > 0:
-            argv.append(f"--MappingKernelManager.default_kernel_name=gpuhub-{profile['name']}")
+        argv = [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args(), *self.server_args,
+                *kernel_args(profile, list(self.other_kernelspecs))]
         name = unit_name_for(self.user.name, self.name)
+        agent = await least_loaded_agent(list(self.agent_urls), self._token) if self.agent_urls else self.agent_url
         try:
-            await call_json("POST", f"{self.agent_url}/api/v1/units", self._token, {
+            await call_json("POST", f"{agent}/api/v1/units", self._token, {
                 "name": name, "kind": "server", "user": self.user.name, "argv": argv, "env": env,
             }, timeout=60)
         except ApiClientError as exc:
             raise RuntimeError(f"the notebook host could not start your server: {exc.message}") from None
-        self.job_id = name
-        self.log.info("started %s for %s with profile %s", name, self.user.name, profile["name"])
+        self.job_id, self.job_agent = name, agent
+        self.log.info("started %s for %s with profile %s on %s", name, self.user.name, profile["name"],
+                      urlparse(agent).hostname)
         return self.job_id
 
     async def query_job_status(self):
@@ -109,7 +146,8 @@ class GpuhubSpawner(BatchSpawnerBase):
             self.job_status = ""
             return JobStatus.NOTFOUND
         try:
-            _, unit = await call_json("GET", f"{self.agent_url}/api/v1/units/{self.job_id}", self._token, timeout=10)
+            _, unit = await call_json("GET", f"{self._job_agent}/api/v1/units/{self.job_id}", self._token,
+                                      timeout=10)
             self.job_status = unit.get("state", "")
         except ApiClientError as exc:
             self.job_status = "gone" if exc.status == 404 else "unknown"
@@ -125,7 +163,7 @@ class GpuhubSpawner(BatchSpawnerBase):
         if not self.job_id:
             return
         try:
-            await call_json("DELETE", f"{self.agent_url}/api/v1/units/{self.job_id}", self._token, timeout=30)
+            await call_json("DELETE", f"{self._job_agent}/api/v1/units/{self.job_id}", self._token, timeout=30)
         except ApiClientError as exc:
             self.log.warning("stopping %s failed: %s", self.job_id, exc)
 
@@ -139,4 +177,23 @@ class GpuhubSpawner(BatchSpawnerBase):
         return self.job_status == "unknown"
 
     def state_gethost(self):
-        return urlparse(self.agent_url).hostname
+        return urlparse(self._job_agent).hostname
+
+    @property
+    def _job_agent(self) -> str:
+        return self.job_agent or self.agent_url  # servers started before agent_urls existed: agent_url
+
+    # The chosen notebook host outlives a hub restart: JupyterHub keeps the spawner's state.
+    def get_state(self):
+        state = super().get_state()
+        if self.job_agent:
+            state["job_agent"] = self.job_agent
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.job_agent = state.get("job_agent", "")
+
+    def clear_state(self):
+        super().clear_state()
+        self.job_agent = ""

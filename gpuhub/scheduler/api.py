@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
+import gpuhub
 from gpuhub.platform.http_client import ApiClientError
 from gpuhub.platform.http_server import (
     ApiError,
@@ -60,7 +61,7 @@ class HeartbeatHandler(SchedulerHandler):
 class NodesHandler(SchedulerHandler):
     def get(self) -> None:
         self.require_admin()
-        self.write_json({"nodes": self.scheduler.nodes_view()})
+        self.write_json({"nodes": self.scheduler.nodes_view(), "scheduler": {"version": gpuhub.__version__}})
 
 
 class KernelRequest(Body):
@@ -140,10 +141,11 @@ class SchedulerCollector:
 
     def collect(self):
         s = self.s
-        views = [v for v in s.node_views() if v.schedulable]
-        g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Nodes by liveness", labels=["state"])
-        g.add_metric(["live"], len(views))
-        g.add_metric(["lost"], len(s.nodes) - len(views))
+        live = sum(1 for r in s.nodes.values() if s.live(r))
+        g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Servers by whether they heartbeat (GPU servers and "
+                              "notebook hosts)", labels=["state"])
+        g.add_metric(["live"], live)
+        g.add_metric(["lost"], len(s.nodes) - live)
         yield g
         g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
         g.add_metric([], len(s.kernels))
@@ -152,6 +154,7 @@ class SchedulerCollector:
             c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
             c.add_metric([], s.counters[key])
             yield c
+        views = [v for v in s.node_views() if v.schedulable]  # the GPU servers that can take kernels
         total = sum(v.gpu_count for v in views)
         pending = sum(v.pending for v in views)
         g = GaugeMetricFamily("gpuhub_cluster_gpus", "GPUs in the cluster", labels=["state"])

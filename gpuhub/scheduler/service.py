@@ -159,7 +159,8 @@ class Scheduler:
     def nodes_view(self) -> list[dict]:
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen,
-             **{k: r.info.get(k) for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units")}}
+             **{k: r.info.get(k)
+                for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version")}}
             for r in self.nodes.values()
         ]
 
@@ -401,7 +402,10 @@ class Scheduler:
             if all(r.state in DEAD_UNIT_STATES for r in rec.replicas):
                 log.info("reconcile: kernel %s has no running replica left; forgetting it", kid)
                 del self.kernels[kid]
-                for r in rec.replicas:  # or the next round would find its failed units and adopt them
-                    if r.state != "gone" and self.node_live(r.node):
+                for r in rec.replicas:
+                    # Every unit its agent still lists goes, "gone" ones too (systemd forgot a unit
+                    # that exited cleanly; the agent keeps its record and journal until told), or
+                    # the next round would adopt the kernel again, and its journals would stay.
+                    if r.unit in seen.get(r.node, ()):
                         await self._stop_replica(r)
         self.save()

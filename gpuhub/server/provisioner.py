@@ -186,6 +186,9 @@ class GpuhubProvisioner(KernelProvisionerBase):
 
     async def cleanup(self, restart: bool = False) -> None:
         if not restart:
+            # A kernel that exited when asked (shutdown_request) was never killed: tell the
+            # scheduler it is over, or its units and journals stay on the GPU servers.
+            await self.kill()
             self._record = None
             if self._router is not None:
                 await self._router.stop()

@@ -74,27 +74,30 @@ class HubUser:
         return self.s.request(method, f"{self.base}{path}", headers=headers, timeout=60, **kw)
 
     # --- the user's server ------------------------------------------------------------------------
-    def start_server(self, profile: str) -> None:
+    def _server_path(self, server: str) -> str:  # "" is the default server, else a named one
+        return f"/hub/api/users/{self.name}/servers/{server}" if server else f"/hub/api/users/{self.name}/server"
+
+    def start_server(self, profile: str, server: str = "") -> None:
         user = self.api("GET", f"/hub/api/users/{self.name}").json()
-        if user.get("servers", {}).get("", {}).get("ready"):
-            self.stop_server()
-        r = self.api("POST", f"/hub/api/users/{self.name}/server", json={"profile": profile})
+        if user.get("servers", {}).get(server, {}).get("ready"):
+            self.stop_server(server)
+        r = self.api("POST", self._server_path(server), json={"profile": profile})
         assert r.status_code in (201, 202), f"spawn for {self.name}: {r.status_code} {r.text[:500]}"
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while time.monotonic() < deadline:
-            server = self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}).get("")
-            if server and server.get("ready"):
+            state = self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}).get(server)
+            if state and state.get("ready"):
                 return
-            if not server:
-                pytest.fail(f"{self.name}'s server stopped while starting (see journalctl -u jupyterhub)")
+            if not state:
+                pytest.fail(f"{self.name}'s server {server!r} stopped while starting (see journalctl -u jupyterhub)")
             time.sleep(1)
-        pytest.fail(f"{self.name}'s server was not ready after {SPAWN_TIMEOUT_S} s")
+        pytest.fail(f"{self.name}'s server {server!r} was not ready after {SPAWN_TIMEOUT_S} s")
 
-    def stop_server(self) -> None:
-        self.api("DELETE", f"/hub/api/users/{self.name}/server")
+    def stop_server(self, server: str = "") -> None:
+        self.api("DELETE", self._server_path(server), json={"remove": bool(server)})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if "" not in self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}):
+            if server not in self.api("GET", f"/hub/api/users/{self.name}").json().get("servers", {}):
                 return
             time.sleep(1)
 
@@ -218,6 +221,33 @@ def test_wrong_password_is_refused(cluster):
     assert r.status_code not in (302, 303)
 
 
+def test_the_server_offers_its_profiles_kernel_only(alice):
+    """JupyterLab's launcher lists what the server's profile runs: its own replicated kernel (the
+    default for a new notebook) and the plain python3 the kernelspecs role keeps, not every
+    profile's gpuhub kernels."""
+    specs = alice.api("GET", "/user/alice/api/kernelspecs").json()
+    assert specs["default"] == "gpuhub-gpu1"
+    assert set(specs["kernelspecs"]) == {"gpuhub-gpu1", "python3"}, sorted(specs["kernelspecs"])
+
+
+def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
+    """A second server of the same user, with the CPU profile (its description is on the form):
+    its default kernel is the replicated CPU kernel, not the notebook host's plain python3."""
+    if "second" in alice.api("GET", "/hub/api/users/alice").json().get("servers", {}):
+        alice.stop_server("second")  # left by an earlier run against this cluster
+    form = alice.s.get(f"{alice.base}/hub/spawn/alice/second", timeout=30).text
+    assert "pandas, scikit-learn: no GPU" in form, form[:2000]
+    alice.start_server("cpu", server="second")
+    try:
+        specs = alice.api("GET", "/user/alice/second/api/kernelspecs").json()
+        assert specs["default"] == "gpuhub-cpu" and set(specs["kernelspecs"]) == {"gpuhub-cpu", "python3"}
+        units = cluster.exec(cluster.groups["notebook_hosts"][0], "systemctl", "list-units", "--plain",
+                             "--no-legend", "gpuhub-server-alice*")
+        assert "gpuhub-server-alice-second" in units and "gpuhub-server-alice.service" in units, units
+    finally:
+        alice.stop_server("second")
+
+
 def test_cell_sees_exactly_a_fake_gpu_of_its_node(cluster, alice_kernel):
     _, channel = alice_kernel
     out = channel.run(WHERE)
@@ -294,6 +324,22 @@ def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
             bob_channel.close()
     finally:
         bob.stop_server()
+
+
+def test_admin_sees_the_kernel_and_every_servers_version(cluster, alice_kernel):
+    """`gpuhub kernels` and `gpuhub version` as root on the hub, as an admin runs them after the install."""
+    kid, _ = alice_kernel
+    hub = cluster.groups["hub"][0]
+    cli = "/opt/gpuhub/venv/bin/gpuhub"
+    kernels = json.loads(cluster.exec(hub, cli, "kernels", "--user", "alice", "--json"))["kernels"]
+    mine = next(k for k in kernels if k["kernel_id"] == kid)
+    assert mine["user"] == "alice" and len(mine["replicas"]) == 3
+    assert {r["node"] for r in mine["replicas"]} <= set(cluster.groups["gpu_nodes"])
+    assert kid in cluster.exec(hub, cli, "kernels")
+    versions = json.loads(cluster.exec(hub, cli, "version", "--json"))
+    servers = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
+    assert versions["scheduler"] == versions["cli"] and set(versions["nodes"]) == servers
+    assert set(versions["nodes"].values()) == {versions["cli"]}, versions
 
 
 def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):

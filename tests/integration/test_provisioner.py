@@ -59,6 +59,33 @@ async def test_gpu_kernel_through_provisioner(kernelspecs, cluster, tmp_path):
         assert a.call("GET", "/api/v1/units")[1]["units"] == []
 
 
+async def test_a_kernel_shut_down_from_jupyterlab_leaves_nothing_behind(kernelspecs, cluster, tmp_path):
+    """JupyterLab's "Shut Down Kernel" asks the kernel to exit (shutdown_request) and does not kill
+    it when it does. Its replicas exit cleanly; the scheduler must still forget the kernel and its
+    agents drop the units (and the kernel's journals, which hold the user's values) at once."""
+    km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=kernelspecs)
+    await km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=30)
+        reply = await kc.execute_interactive("secret = 42", timeout=30)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+    kernel_id = km.kernel_id
+    # Poll the scheduler afresh each time: the kernel is then seen to have exited within
+    # jupyter_client's wait, and is never killed (the path where it was left behind).
+    km.provisioner.poll_cache_s = 0.0
+    await km.shutdown_kernel(now=False)
+    dev = cluster["dev"]
+    status, _ = dev.scheduler_call("GET", f"/api/v1/kernels/{kernel_id}")
+    assert status == 404
+    for a in cluster["agents"]:
+        assert a.call("GET", "/api/v1/units")[1]["units"] == [], a.name
+        assert not list((a.dir / "state" / "journals").glob(f"*{kernel_id}*")), a.name
+
+
 def test_bad_user_token_is_refused(cluster):
     with pytest.raises(ApiClientError) as exc:
         call_json_sync("POST", cluster["scheduler"].url + "/api/v1/kernels", "wrong",

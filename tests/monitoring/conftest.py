@@ -281,7 +281,12 @@ class Gpuhub:
 def start_gpuhub(tmp: Path) -> Gpuhub:
     tmp.mkdir(parents=True, exist_ok=True)
     dev = DevCluster(tmp, nodes=3, gpus_per_node=2).start()
-    hub1 = AgentProcess(tmp, "hub1", 0)
+    hub_token = tmp / "hub1-scheduler.token"
+    hub_token.write_text(dev.scheduler.token)
+    hub_token.chmod(0o600)
+    # a notebook host: no GPUs, never a place for replicas, heartbeating like every agent
+    hub1 = AgentProcess(tmp, "hub1", 0, extra={"roles": ["notebook"], "scheduler_url": dev.scheduler.url,
+                                               "scheduler_token_file": str(hub_token), "heartbeat_interval_s": 0.5})
     hub1.token = dev.agent_token  # one agent token for the whole cluster, as Ansible deploys it
     (hub1.dir / "secrets" / "agent.token").write_text(dev.agent_token)
     g = Gpuhub(dev, {a.name: a for a in dev.agents})

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -135,6 +137,8 @@ def test_saved_gpu_hours_arithmetic(monitoring_stack):
     # the scheduler's view, from the agents' heartbeats
     assert q('gpuhub_cluster_gpus{state="pending"}') == pytest.approx(7.0)
     assert q("gpuhub_scheduler_kernels") == 2 and q("gpuhub_scheduler_placements_total") == 2
+    # every server that heartbeats is live, the notebook host without GPUs too: "lost" alerts
+    assert q('gpuhub_scheduler_nodes{state="live"}') == 4 and q('gpuhub_scheduler_nodes{state="lost"}') == 0
 
 
 def test_scrape_jobs_up_with_tokens(monitoring_stack):
@@ -160,8 +164,9 @@ def test_metric_names_are_in_the_contract():
     """gpuhub_* names the dashboards and rules use exist in docs/interfaces.md."""
     contract = (REPO / "docs" / "interfaces.md").read_text()
     known = set(re.findall(r"gpuhub_[a-z_]+", contract))
-    rules = (REPO / "roles" / "prometheus" / "templates" / "gpuhub.rules.yml.j2").read_text()
-    texts = [expr for _, expr in dashboard_exprs()] + [rules]
+    templates = REPO / "roles" / "prometheus" / "templates"
+    rules = [(templates / name).read_text() for name in ("gpuhub.rules.yml.j2", "gpuhub-alerts.rules.yml.j2")]
+    texts = [expr for _, expr in dashboard_exprs()] + rules
     used = {n for t in texts for n in re.findall(r"(?<![:\w])gpuhub_[a-z_]+", t)}
     unknown = {n for n in used if n not in known and n.removesuffix("_total") not in known}
     assert not unknown, f"metric names not in docs/interfaces.md: {sorted(unknown)}"
@@ -175,7 +180,7 @@ def test_promtool_check_config_rendered(monitoring_stack, prometheus_bins):
                         str(monitoring_stack.config_dir / "prometheus.yml")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "1 rule files found" in r.stdout + r.stderr
+    assert "2 rule files found" in r.stdout + r.stderr
 
 
 def test_promtool_check_config_defaults_and_empty_groups(prometheus_bins, tmp_path):
@@ -197,6 +202,20 @@ def test_promtool_check_config_defaults_and_empty_groups(prometheus_bins, tmp_pa
     r = subprocess.run([prometheus_bins.promtool, "check", "config", str(out / "prometheus.yml")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_alerting_rules_pass_their_promtool_unit_tests(prometheus_bins, tmp_path):
+    """The alerting rules as the role renders them with its defaults, through promtool's own unit
+    tests (tests/monitoring/alerts_test.yml): each alert fires when it must, with the words an
+    admin reads, and not before its time."""
+    inv = local_inventory({"box": {"ansible_host": "127.0.0.1"}}, {"hub": ["box"], "monitoring": ["box"]})
+    rules = run_role_config(tmp_path, inv, {}) / "rules"
+    assert sorted(p.name for p in rules.glob("*.rules.yml")) == ["gpuhub-alerts.rules.yml", "gpuhub.rules.yml"]
+    shutil.copy(Path(__file__).with_name("alerts_test.yml"), rules / "alerts_test.yml")
+    r = subprocess.run([prometheus_bins.promtool, "test", "rules", str(rules / "alerts_test.yml")],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------- (c) dashboards as code

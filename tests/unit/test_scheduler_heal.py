@@ -108,3 +108,42 @@ def test_corrupt_books_are_rebuilt_from_the_agents(tmp_path, caplog):
     assert s.kernels == {} and s.nodes == {}
     assert any("are corrupt" in r.message for r in caplog.records)
     Scheduler(SchedulerConfig(state_dir=str(tmp_path / "none")), agent_token="t").load()  # no books yet: fine
+
+
+class AgentBooks:
+    """What agents answer to the scheduler's reconcile (GET /api/v1/units, DELETE of a unit): their
+    unit records, as a real agent keeps them. Stands in for the HTTP hop only."""
+
+    def __init__(self, units: dict[str, list[dict]]) -> None:
+        self.units = units  # node -> unit views
+        self.deleted: list[tuple[str, str]] = []
+
+    async def __call__(self, method: str, url: str, token: str, body=None, timeout: float = 20.0):
+        node = url.split("//", 1)[1].split(".invalid", 1)[0]
+        if method == "GET" and url.endswith("/api/v1/units"):
+            return 200, {"units": self.units[node]}
+        if method == "DELETE":
+            name = url.rsplit("/", 1)[1]
+            self.deleted.append((node, name))
+            self.units[node] = [u for u in self.units[node] if u["name"] != name]
+            return 200, {"stopped": name}
+        raise AssertionError(f"unexpected {method} {url}")
+
+
+async def test_a_kernel_whose_units_exited_cleanly_is_forgotten_and_its_units_dropped(tmp_path, monkeypatch):
+    """Under systemd a unit that exited cleanly is forgotten by systemd ("gone"), while its agent
+    keeps the record and the replica's journal until told. The kernel must go from the books and
+    from every agent, not be adopted again at the next reconcile."""
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+    names = [f"gpuhub-kernel-k1-r{i}" for i in range(3)]
+    books = AgentBooks({n: [{"name": names[i], "kind": "kernel", "kernel_id": "k1", "user": "alice",
+                             "replica_id": i, "state": "gone"}] for i, n in enumerate("abc")})
+    monkeypatch.setattr(service, "call_json", books)
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    await s.reconcile()
+    assert "k1" not in s.kernels
+    assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
+    await s.reconcile()  # nothing left to adopt
+    assert "k1" not in s.kernels and len(books.deleted) == 3

@@ -1,0 +1,133 @@
+"""What ``gpuhub nodes|kernels|leases|version`` show: the scheduler's view of the cluster, read
+through its admin API with the token the hub host keeps, as a table (``--json`` for scripts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import gpuhub
+from gpuhub.platform.config import ConfigError, load_settings, read_secret
+from gpuhub.platform.http_client import ApiClientError, call_json_sync
+
+DEFAULT_CONFIG = "/etc/gpuhub/scheduler.toml"
+
+
+class StatusError(Exception):
+    """What went wrong, in words an admin can act on; exit status 2 (setup) or 1 (the call)."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    """The scheduler's admin API as the hub host's configuration names it."""
+
+    url: str
+    token: str
+    token_file: str
+
+    @classmethod
+    def from_config(cls, path: str) -> Scheduler:
+        from gpuhub.scheduler.config import SchedulerConfig
+
+        try:
+            config = load_settings(SchedulerConfig, path)
+            token = read_secret(config.token_file, "scheduler")
+        except ConfigError as exc:
+            hint = " (run gpuhub as root on the hub host)" if "permission denied" in str(exc) else ""
+            raise StatusError(f"{exc}{hint}", 2) from None
+        host = "127.0.0.1" if config.listen_address in ("0.0.0.0", "::") else config.listen_address
+        return cls(f"http://{host}:{config.port}", token, config.token_file)
+
+    def get(self, path: str) -> dict:
+        try:
+            _, body = call_json_sync("GET", f"{self.url}{path}", self.token, timeout=20)
+        except ApiClientError as exc:
+            if exc.status == 0:
+                raise StatusError(f"cannot reach the scheduler at {self.url} ({exc.message}); is it running? "
+                                  "systemctl status gpuhub-scheduler", 1) from None
+            if exc.status in (401, 403):
+                raise StatusError(f"the scheduler at {self.url} refused the token in {self.token_file} "
+                                  f"({exc.status} {exc.message}); is it the scheduler's own token?", 1) from None
+            raise StatusError(f"the scheduler at {self.url} answered {exc.status}: {exc.message}", 1) from None
+        return body
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns two spaces apart, the header in capitals."""
+    cells = [[str(h).upper() for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def age(since: float | None, now: float) -> str:
+    """How long ago, the way ``kubectl`` and ``systemctl`` say it: 45s, 12m, 3h, 2d."""
+    if not since:
+        return "-"
+    s = max(0, int(now - since))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def nodes(sched: Scheduler, args=None) -> tuple[dict, str]:
+    body = sched.get("/api/v1/nodes")
+    now = time.time()
+    rows = [(n["node"], "yes" if n["live"] else "NO", n.get("gpu_count") or 0, n.get("pending") or 0,
+             n.get("committed") or 0, n.get("units") or 0, n.get("gpu_backend"), n.get("version") or "?",
+             age(n.get("last_seen"), now))
+            for n in body["nodes"]]
+    return body, table(("node", "live", "gpus", "pending", "committed", "units", "backend", "version", "seen"),
+                       rows)
+
+
+def kernels(sched: Scheduler, args=None) -> tuple[dict, str]:
+    body = sched.get("/api/v1/kernels")
+    user = getattr(args, "user", None)
+    if user:
+        body = {"kernels": [k for k in body["kernels"] if k["user"] == user]}
+    now = time.time()
+    rows = [(k["kernel_id"], k["user"], k["gpus"],
+             ", ".join(f"{r['node']}({r.get('state', '?')})" if "state" in r else r["node"] for r in k["replicas"]),
+             age(k.get("created_at"), now))
+            for k in sorted(body["kernels"], key=lambda k: (k["user"], k.get("created_at", 0)))]
+    return body, table(("kernel", "user", "gpus", "replicas", "age"), rows)
+
+
+def leases(sched: Scheduler, args=None) -> tuple[dict, str]:
+    """Every GPU lease the agents reported in their last heartbeat: who holds which GPU now."""
+    listing = sched.get("/api/v1/nodes")
+    now = time.time()
+    found = [{"node": n["node"], **lease} for n in listing["nodes"] for lease in n.get("leases") or []]
+    rows = [(x["node"], x["lease_id"], x["holder"], ",".join(str(g) for g in x["gpus"]) or "-",
+             x.get("holder_pid") or "-", age(x.get("granted_at"), now))
+            for x in sorted(found, key=lambda x: (x["node"], x.get("granted_at", 0)))]
+    return {"leases": found}, table(("node", "lease", "holder", "gpus", "pid", "held"), rows)
+
+
+def versions(sched: Scheduler, args=None) -> tuple[dict, str]:
+    """This CLI's version, the scheduler's, and every node's (from its last heartbeat)."""
+    listing = sched.get("/api/v1/nodes")
+    body = {"cli": gpuhub.__version__, "scheduler": (listing.get("scheduler") or {}).get("version"),
+            "nodes": {n["node"]: n.get("version") for n in listing["nodes"]}}
+    rows = [("this CLI", body["cli"]), ("scheduler", body["scheduler"] or "?")]
+    rows += [(name, v or "?") for name, v in sorted(body["nodes"].items())]
+    return body, table(("component", "version"), rows)
+
+
+def run(name: str, args, view: Callable[..., tuple[dict, str]]) -> int:
+    """One ``gpuhub`` status command: the table, or the JSON with ``--json``; errors on stderr."""
+    try:
+        body, text = view(Scheduler.from_config(args.config), args)
+    except StatusError as exc:
+        print(f"gpuhub {name}: {exc}", file=sys.stderr)
+        return exc.exit_status
+    print(json.dumps(body, indent=2) if args.json else text)
+    return 0

@@ -1,0 +1,106 @@
+"""``gpuhub nodes|kernels|leases|version`` as an admin runs them on the hub host: against a real
+scheduler and agents (the development harness), as tables and as JSON, and with the errors an admin
+meets (the scheduler down, a wrong token, a token file that is not there)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+import gpuhub
+from gpuhub.dev.cluster import DevCluster, DevKernel
+from tests.helpers import wait_for
+from tests.integration.test_replicated import take_the_gpu
+
+
+def gpuhub_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuhub.admin.cli", *argv], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = DevCluster(tmp_path_factory.mktemp("admin"), nodes=3, gpus_per_node=1).start()
+    yield c
+    c.stop()
+
+
+def config_of(cluster: DevCluster) -> str:
+    return str(cluster.scheduler.config)
+
+
+def test_nodes_kernels_leases_and_versions(cluster):
+    kernel = DevKernel(cluster, gpus=1)
+    try:
+        node = kernel.record["replicas"][0]["node"]
+        take_the_gpu(next(a for a in cluster.agents if a.name == node), "adminhog")
+        config = config_of(cluster)
+
+        nodes = gpuhub_cli("nodes", "--config", config)
+        assert nodes.returncode == 0, nodes.stderr
+        lines = nodes.stdout.splitlines()
+        assert lines[0].split() == ["NODE", "LIVE", "GPUS", "PENDING", "COMMITTED", "UNITS", "BACKEND", "VERSION",
+                                    "SEEN"]
+        assert sorted(line.split()[0] for line in lines[1:]) == ["gpu1", "gpu2", "gpu3"]
+        assert all(line.split()[1] == "yes" and line.split()[7] == gpuhub.__version__ for line in lines[1:])
+
+        kernels = json.loads(gpuhub_cli("kernels", "--config", config, "--json").stdout)["kernels"]
+        mine = next(k for k in kernels if k["kernel_id"] == kernel.kernel_id)
+        assert len(mine["replicas"]) == 3 and "key" not in mine  # the kernel's key never shows
+        table = gpuhub_cli("kernels", "--config", config).stdout
+        assert kernel.kernel_id in table and table.splitlines()[0].split() == ["KERNEL", "USER", "GPUS", "REPLICAS",
+                                                                                 "AGE"]
+        assert gpuhub_cli("kernels", "--config", config, "--user", "nobody-here").stdout.split() == [
+            "KERNEL", "USER", "GPUS", "REPLICAS", "AGE"]
+
+        def the_hog_leases():  # the agents report leases with their heartbeats
+            out = gpuhub_cli("leases", "--config", config, "--json")
+            return [x for x in json.loads(out.stdout)["leases"] if x["holder"] == "gpuhub-kernel-adminhog-r0"]
+        held = wait_for(the_hog_leases, 30, "the hog's lease in gpuhub leases")
+        assert held[0]["node"] == node and len(held[0]["gpus"]) == 1
+        assert "gpuhub-kernel-adminhog-r0" in gpuhub_cli("leases", "--config", config).stdout
+
+        versions = json.loads(gpuhub_cli("version", "--config", config, "--json").stdout)
+        assert versions["cli"] == versions["scheduler"] == gpuhub.__version__
+        assert versions["nodes"] == {n: gpuhub.__version__ for n in ("gpu1", "gpu2", "gpu3")}
+    finally:
+        kernel.close()
+
+
+def _config_with(cluster: DevCluster, tmp_path: Path, **changes) -> str:
+    settings = tomllib.loads(Path(config_of(cluster)).read_text())
+    settings.update(changes)
+    path = tmp_path / "scheduler.toml"
+    path.write_text(tomli_w.dumps(settings))
+    return str(path)
+
+
+def test_a_wrong_token_is_named_with_its_file(cluster, tmp_path):
+    wrong = tmp_path / "scheduler.token"
+    wrong.write_text("not-the-scheduler-token-at-all")
+    wrong.chmod(0o600)
+    out = gpuhub_cli("nodes", "--config", _config_with(cluster, tmp_path, token_file=str(wrong)))
+    assert out.returncode == 1 and not out.stdout
+    assert f"refused the token in {wrong}" in out.stderr and "401" in out.stderr, out.stderr
+    assert "not-the-scheduler-token" not in out.stderr  # a secret never reaches the terminal or a log
+
+
+def test_a_scheduler_that_does_not_answer_says_so(cluster, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        out = gpuhub_cli("kernels", "--config", _config_with(cluster, tmp_path, port=s.getsockname()[1]))
+    assert out.returncode == 1
+    assert "cannot reach the scheduler" in out.stderr and "systemctl status gpuhub-scheduler" in out.stderr, out.stderr
+
+
+def test_a_missing_token_file_is_a_setup_error(cluster, tmp_path):
+    out = gpuhub_cli("leases", "--config", _config_with(cluster, tmp_path, token_file=str(tmp_path / "nope")))
+    assert out.returncode == 2 and "does not exist" in out.stderr, out.stderr

@@ -1,0 +1,48 @@
+"""Which kernels a user's server offers: its profile's own replicated kernel (the default for a new
+notebook, for the CPU profile too) and the admin's short list of others, never every profile's."""
+
+from __future__ import annotations
+
+from gpuhub.hub.spawner import kernel_args
+
+
+def test_a_gpu_profile_offers_its_own_kernel_first_and_the_others_listed():
+    assert kernel_args({"name": "gpu2", "gpus": 2}, ["python3"]) == [
+        "--MappingKernelManager.default_kernel_name=gpuhub-gpu2",
+        "--KernelSpecManager.allowed_kernelspecs=gpuhub-gpu2",
+        "--KernelSpecManager.allowed_kernelspecs=python3",
+    ]
+
+
+def test_the_cpu_profile_defaults_to_the_replicated_cpu_kernel_not_python3():
+    args = kernel_args({"name": "cpu", "gpus": 0}, ["python3"])
+    assert args[0] == "--MappingKernelManager.default_kernel_name=gpuhub-cpu"
+
+
+def test_no_others_offers_only_the_profile_kernel():
+    assert kernel_args({"name": "gpu1", "gpus": 1}, ["gpuhub-gpu1"])[1:] == [
+        "--KernelSpecManager.allowed_kernelspecs=gpuhub-gpu1"]
+
+
+def test_the_form_shows_each_profiles_description_escaped():
+    from gpuhub.hub.spawner import GpuhubSpawner
+
+    form = GpuhubSpawner(profiles=[
+        {"name": "cpu", "display": "CPU only", "gpus": 0, "description": "pandas <b>and</b> friends"},
+        {"name": "gpu1", "display": "1 GPU", "gpus": 1},
+    ])._options_form_default()
+    assert "pandas &lt;b&gt;and&lt;/b&gt; friends" in form and "<b>" not in form
+    assert form.count("<small") == 1  # no empty line under a profile without one
+
+
+def test_the_notebook_host_a_server_went_to_survives_a_hub_restart():
+    """JupyterHub keeps the spawner's state in its database: a restarted hub asks the same host."""
+    from gpuhub.hub.spawner import GpuhubSpawner
+
+    first = GpuhubSpawner(agent_url="http://10.0.0.1:8601")
+    first.job_id, first.job_agent = "gpuhub-server-alice", "http://10.0.0.2:8601"
+    again = GpuhubSpawner(agent_url="http://10.0.0.1:8601")
+    again.load_state(first.get_state())
+    assert again.state_gethost() == "10.0.0.2"
+    again.clear_state()
+    assert again.state_gethost() == "10.0.0.1"  # nothing running: the default host
