@@ -3,6 +3,7 @@ the router and a real jupyter_client client (issue: Raft-replicated kernels)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -269,15 +270,30 @@ def eventually(check, timeout_s: float, what: str):
     return wait_for(check, timeout_s, what, interval=0.5, ignore=(AssertionError, TimeoutError, RuntimeError))
 
 
-def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_path):
-    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, node_timeout_s=3).start()
+@contextlib.contextmanager
+def one_gpu_kernel_on_four_nodes(tmp_path, **settings):
+    """A 1-GPU kernel whose three replicas leave one of four single-GPU nodes spare: (cluster, kernel)."""
+    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, **settings).start()
     kernel = None
     try:
         kernel = ReplicatedKernel(cluster, gpus=1)
+        yield cluster, kernel
+    finally:
+        if kernel is not None:
+            kernel.close()
+        cluster.stop()
+
+
+def spare_node(cluster, kernel) -> str:
+    placed = {r["node"] for r in kernel.record["replicas"]}
+    return next(a.name for a in cluster.agents if a.name not in placed)
+
+
+def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_path):
+    with one_gpu_kernel_on_four_nodes(tmp_path, node_timeout_s=3) as (cluster, kernel):
         ok(kernel, "import numpy as np\nbig = np.arange(1_000_000)\nx = 1")
         first = executor_node(kernel)
-        placed = {r["node"] for r in kernel.record["replicas"]}
-        spare = next(a.name for a in cluster.agents if a.name not in placed)
+        spare = spare_node(cluster, kernel)
         lost = next(r for r in kernel.record["replicas"] if r["node"] != first)
         # The lost node's power goes: its agent and its replica die at once.
         pid = kernel.pid(lost["id"])
@@ -302,20 +318,13 @@ def test_lost_node_gets_a_replacement_replica_that_catches_up_and_executes(tmp_p
         ok(kernel, "x *= 10")
         view = assert_equal_namespaces(kernel, ["x"], rids)
         assert view["x"].endswith("20"), view
-    finally:
-        if kernel is not None:
-            kernel.close()
-        cluster.stop()
 
 
 def test_replica_dead_on_a_live_node_is_replaced(tmp_path):
     """A replica process dies while its node stays up (under systemd: a crash loop past its
     restarts, or a reboot within the node timeout drops the transient unit). The scheduler sees the
     unit dead when the provisioner polls, waits out the grace, then places a replacement."""
-    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, replica_dead_grace_s=1).start()
-    kernel = None
-    try:
-        kernel = ReplicatedKernel(cluster, gpus=1)
+    with one_gpu_kernel_on_four_nodes(tmp_path, replica_dead_grace_s=1) as (cluster, kernel):
         ok(kernel, "x = 1")
         first = executor_node(kernel)
         dead = next(r for r in kernel.record["replicas"] if r["node"] != first)
@@ -336,10 +345,6 @@ def test_replica_dead_on_a_live_node_is_replaced(tmp_path):
         # The dead unit's leftovers (files, journal, placed GPUs) are gone from its node.
         status, _ = cluster.agent(dead["node"]).call("GET", f"/api/v1/units/{dead['unit']}")
         assert status == 404
-    finally:
-        if kernel is not None:
-            kernel.close()
-        cluster.stop()
 
 
 def test_a_cell_waiting_for_a_gpu_runs_on_a_replacement_that_joins_meanwhile(tmp_path):
@@ -347,14 +352,11 @@ def test_a_cell_waiting_for_a_gpu_runs_on_a_replacement_that_joins_meanwhile(tmp
     a cell that every remaining replica's server is too busy to run: the cell waits for a GPU. The
     replacement, on a server with a free GPU, joins the group meanwhile: the router hands it the
     waiting cell, and it runs it (it does not wait for the others' GPUs until the grant timeout)."""
-    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, replica_dead_grace_s=1).start()
-    kernel = None
-    try:
-        kernel = ReplicatedKernel(cluster, gpus=1)
+    with one_gpu_kernel_on_four_nodes(tmp_path, replica_dead_grace_s=1) as (cluster, kernel):
         ok(kernel, "x = 1")
         first = executor_node(kernel)
         placed = {r["node"] for r in kernel.record["replicas"]}
-        spare = next(a.name for a in cluster.agents if a.name not in placed)
+        spare = spare_node(cluster, kernel)
         dead = next(r for r in kernel.record["replicas"] if r["node"] != first)
         os.kill(kernel.pid(dead["id"]), signal.SIGKILL)
         ok(kernel, "x += 1", timeout=30)  # two replicas are a majority
@@ -382,10 +384,6 @@ def test_a_cell_waiting_for_a_gpu_runs_on_a_replacement_that_joins_meanwhile(tmp
         assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok", reply["content"]
         wait_for(lambda: next_of_cell()["content"].get("execution_state") == "idle", 30, "the cell's idle")
         assert streams["stdout"].split() == [spare, "3"], streams
-    finally:
-        if kernel is not None:
-            kernel.close()
-        cluster.stop()
 
 
 def _blob_addrs(pid: int) -> dict[int, str]:
