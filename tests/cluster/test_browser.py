@@ -57,6 +57,8 @@ def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
         page.screenshot(path=str(shots / "1-spawn-form.png"))
         page.click("form input[type=submit], form button[type=submit]")
         page.wait_for_url(re.compile(r".*/user/alice/browser/lab.*"), timeout=180_000)
+        before = notebooks(alice)
+        page.goto(f"{cluster.hub_url}/user/alice/browser/lab?reset")  # the launcher, whatever was open last time
 
         page.locator(".jp-LauncherCard", has_text="Python 3 (1 GPU)").first.click()
         page.wait_for_selector("text=| Idle")  # the kernel answered: its status bar says so
@@ -72,23 +74,34 @@ def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
         assert visible in [g["uuid"] for g in node_info(cluster, host)["gpus"]], (visible, host)
         prompt = page.locator(".jp-InputArea-prompt").first.inner_text()
         assert prompt.strip() == "[1]:", prompt  # In [1] for the first cell, as with any kernel
+        for name in notebooks(alice) - before:  # leave alice's files as they were
+            alice.api("DELETE", f"/user/alice/browser/api/contents/{name}")
     finally:
         context.close()
         alice.stop_server("browser")
 
 
+def notebooks(user: HubUser) -> set[str]:
+    listing = user.api("GET", "/user/alice/browser/api/contents").json()
+    return {c["name"] for c in listing["content"] if c["type"] == "notebook"}
+
+
 def test_an_admin_sees_gpuhub_in_prometheus(cluster, browser, shots):
+    """Debian's Prometheus serves its classic web UI: / leads to the graph page."""
     monitoring = cluster.hosts[cluster.groups["monitoring"][0]]
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.set_default_timeout(60_000)
     try:
-        page.goto(f"http://{monitoring}:9090/alerts")
+        page.goto(f"http://{monitoring}:9090/")
+        page.click("nav >> text=Alerts")
         page.wait_for_selector("text=GpuhubDaemonDown")
         page.screenshot(path=str(shots / "3-prometheus-alerts.png"), full_page=True)
         assert page.locator("text=GpuhubServerLost").count() >= 1
-        gpus = 2 * len(cluster.groups["gpu_nodes"])  # scripts/cluster.sh: 2 fake GPUs per node
-        page.goto(f"http://{monitoring}:9090/graph?g0.expr=cluster%3Agpuhub_gpus%3Asum&g0.tab=1")
-        page.wait_for_selector(f".data-table >> text=/^{gpus}$/")
+        gpus = sum(node_info(cluster, n)["gpu_count"] for n in cluster.groups["gpu_nodes"])
+        page.goto(f"http://{monitoring}:9090/classic/graph?g0.expr=cluster%3Agpuhub_gpus%3Asum&g0.tab=1")
+        cell = page.locator(".console_table tbody td").nth(1)
+        cell.wait_for()
         page.screenshot(path=str(shots / "4-prometheus-gpus.png"))
+        assert cell.inner_text().strip() == str(gpus)
     finally:
         page.close()
