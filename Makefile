@@ -47,6 +47,7 @@ test-fast: venv $(TORCH)
 # The molecule scenario: a fresh cluster "ci", site.yml, idempotence (changed=0), the end-to-end
 # tests (pytest -m cluster), then the cluster is removed.
 test-cluster: venv host-deps
+	scripts/host-deps.sh browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
 
 test: venv $(TORCH) host-deps lint

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the controller needs to run the local podman test cluster (docs/testing.md).
 # Idempotent: installs only what is missing, and does nothing at all when everything is there.
+# Usage: scripts/host-deps.sh [browser]
 set -euo pipefail
 
 need=()
@@ -10,6 +11,10 @@ command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=
 command -v newuidmap >/dev/null 2>&1 || need+=(uidmap)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
+# With "browser" (make test-cluster): Debian's chromium for tests/cluster/test_browser.py.
+if [ "${1:-}" = browser ]; then
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+fi
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

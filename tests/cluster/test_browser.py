@@ -1,0 +1,107 @@
+"""A user and an admin in a real browser (Debian's chromium, driven by Playwright): log in through
+the hub's form, pick the 1-GPU profile, open a notebook on the profile's kernel from JupyterLab's
+launcher, type a cell and see its output with the GPU it ran on; then Prometheus's alerts and a
+gpuhub series, as an admin opens them. Screenshots go to .cache/<cluster>/browser/."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from tests.cluster.conftest import ROOT
+from tests.cluster.test_e2e import HubUser, node_info
+
+pytestmark = pytest.mark.cluster
+
+CHROMIUM = shutil.which("chromium")
+CELL = "import os, socket; print(socket.gethostname(), os.environ.get('CUDA_VISIBLE_DEVICES'))"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (make venv)")
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (scripts/host-deps.sh browser)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def shots(cluster):
+    where = ROOT / ".cache" / cluster.name / "browser"
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
+    alice = HubUser(cluster, "alice")
+    alice.login()  # an API token, to stop the server afterwards
+    # The hub's certificate is self-signed: a user accepts it once in the browser; this context
+    # ignores certificate errors (the other tests verify HTTPS against it from Python).
+    context = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(120_000)
+    page = context.new_page()
+    try:
+        page.goto(f"{cluster.hub_url}/hub/login")
+        page.fill("#username_input", "alice")
+        page.fill("#password_input", cluster.passwords["alice"])
+        page.click("#login_submit")
+        page.wait_for_url(re.compile(r".*/hub/(spawn|home).*"))
+
+        page.goto(f"{cluster.hub_url}/hub/spawn/alice/browser")
+        page.check("input[name=profile][value=gpu1]")
+        page.screenshot(path=str(shots / "1-spawn-form.png"))
+        page.click("form input[type=submit], form button[type=submit]")
+        page.wait_for_url(re.compile(r".*/user/alice/browser/lab.*"), timeout=180_000)
+        before = notebooks(alice)
+        page.goto(f"{cluster.hub_url}/user/alice/browser/lab?reset")  # the launcher, whatever was open last time
+
+        page.locator(".jp-LauncherCard", has_text="Python 3 (1 GPU)").first.click()
+        page.wait_for_selector("text=| Idle")  # the kernel answered: its status bar says so
+        page.locator(".jp-Notebook .jp-Cell .cm-content").first.click()
+        page.keyboard.type(CELL)
+        page.keyboard.press("Shift+Enter")
+        output = page.locator(".jp-OutputArea-output").first
+        output.wait_for()
+        page.wait_for_function("() => /\\[1\\]/.test(document.querySelector('.jp-InputArea-prompt').textContent)")
+        page.screenshot(path=str(shots / "2-notebook.png"))
+        host, visible = output.inner_text().split()
+        assert host in cluster.groups["gpu_nodes"], output.inner_text()
+        assert visible in [g["uuid"] for g in node_info(cluster, host)["gpus"]], (visible, host)
+        prompt = page.locator(".jp-InputArea-prompt").first.inner_text()
+        assert prompt.strip() == "[1]:", prompt  # In [1] for the first cell, as with any kernel
+        for name in notebooks(alice) - before:  # leave alice's files as they were
+            alice.api("DELETE", f"/user/alice/browser/api/contents/{name}")
+    finally:
+        context.close()
+        alice.stop_server("browser")
+
+
+def notebooks(user: HubUser) -> set[str]:
+    listing = user.api("GET", "/user/alice/browser/api/contents").json()
+    return {c["name"] for c in listing["content"] if c["type"] == "notebook"}
+
+
+def test_an_admin_sees_gpuhub_in_prometheus(cluster, browser, shots):
+    """Debian's Prometheus serves its classic web UI: / leads to the graph page."""
+    monitoring = cluster.hosts[cluster.groups["monitoring"][0]]
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(f"http://{monitoring}:9090/")
+        page.click("nav >> text=Alerts")
+        page.wait_for_selector("text=GpuhubDaemonDown")
+        page.screenshot(path=str(shots / "3-prometheus-alerts.png"), full_page=True)
+        assert page.locator("text=GpuhubServerLost").count() >= 1
+        gpus = sum(node_info(cluster, n)["gpu_count"] for n in cluster.groups["gpu_nodes"])
+        page.goto(f"http://{monitoring}:9090/classic/graph?g0.expr=cluster%3Agpuhub_gpus%3Asum&g0.tab=1")
+        cell = page.locator(".console_table tbody td").nth(1)
+        cell.wait_for()
+        page.screenshot(path=str(shots / "4-prometheus-gpus.png"))
+        assert cell.inner_text().strip() == str(gpus)
+    finally:
+        page.close()
