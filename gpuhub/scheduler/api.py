@@ -157,13 +157,17 @@ class SchedulerCollector:
         views = [v for v in s.node_views() if v.schedulable]  # the GPU servers that can take kernels
         total = sum(v.gpu_count for v in views)
         pending = sum(v.pending for v in views)
+        # Each kernel's GPUs once, whatever its replica count: what a reservation system would hold.
+        reserved = sum(k.gpus for k in s.kernels.values())
         g = GaugeMetricFamily("gpuhub_cluster_gpus", "GPUs in the cluster", labels=["state"])
         g.add_metric(["total"], total)
         g.add_metric(["pending"], pending)
         g.add_metric(["committed"], sum(v.committed for v in views))
+        g.add_metric(["reserved"], reserved)
         yield g
-        g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio", "pending / (GPUs * 3)")
-        g.add_metric([], pending / (total * 3) if total else 0.0)
+        g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio",
+                              "Each kernel's GPUs once over all GPUs (= pending / (GPUs x R) with R replicas each)")
+        g.add_metric([], reserved / total if total else 0.0)
         yield g
 
 

@@ -136,6 +136,9 @@ def test_saved_gpu_hours_arithmetic(monitoring_stack):
     assert q("cluster:gpuhub_lease_refusals:ratio_rate5m") == pytest.approx(0.5)
     # the scheduler's view, from the agents' heartbeats
     assert q('gpuhub_cluster_gpus{state="pending"}') == pytest.approx(7.0)
+    # from the scheduler's books, each kernel's GPUs once whatever its replicas: (2 + 1) / 6
+    assert q('gpuhub_cluster_gpus{state="reserved"}') == pytest.approx(3.0)
+    assert q("gpuhub_cluster_subscription_ratio") == pytest.approx(3 / 6)
     assert q("gpuhub_scheduler_kernels") == 2 and q("gpuhub_scheduler_placements_total") == 2
     # every server that heartbeats is live, the notebook host without GPUs too: "lost" alerts
     assert q('gpuhub_scheduler_nodes{state="live"}') == 4 and q('gpuhub_scheduler_nodes{state="lost"}') == 0
@@ -202,6 +205,12 @@ def test_promtool_check_config_defaults_and_empty_groups(prometheus_bins, tmp_pa
     r = subprocess.run([prometheus_bins.promtool, "check", "config", str(out / "prometheus.yml")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_recording_rules_follow_the_inventorys_replica_count(tmp_path):
+    inv = local_inventory({"box": {"ansible_host": "127.0.0.1"}}, {"hub": ["box"], "monitoring": ["box"]})
+    rules = (run_role_config(tmp_path, inv, {"gpuhub_kernel_replicas": 5}) / "rules" / "gpuhub.rules.yml").read_text()
+    assert "R = 5 replicas per kernel" in rules and "/ 5" in rules and "/ 3" not in rules
 
 
 def test_alerting_rules_pass_their_promtool_unit_tests(prometheus_bins, tmp_path):
