@@ -95,7 +95,7 @@ def kernels(sched: Scheduler, args=None) -> tuple[dict, str]:
         body = {"kernels": [k for k in body["kernels"] if k["user"] == user]}
     now = time.time()
     rows = [(k["kernel_id"], k["user"], k["gpus"],
-             ", ".join(f"{r['node']}({r.get('state', '?')})" if "state" in r else r["node"] for r in k["replicas"]),
+             ", ".join(f"{r['node']}({r.get('state', '?')})" for r in k["replicas"]),
              age(k.get("created_at"), now))
             for k in sorted(body["kernels"], key=lambda k: (k["user"], k.get("created_at", 0)))]
     return body, table(("kernel", "user", "gpus", "replicas", "age"), rows)

@@ -7,6 +7,7 @@ notebook host's gpuhub-agent API instead of running shell commands. Works around
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import html
 import re
@@ -38,13 +39,15 @@ def kernel_args(profile: dict, others: list[str]) -> list[str]:
 async def least_loaded_agent(urls: list[str], token: str) -> str:
     """The notebook host whose agent runs the fewest units now (ties: the first listed); hosts
     whose agent does not answer are passed over. Raises RuntimeError when none answers."""
-    loads: list[tuple[int, int, str]] = []
-    for i, url in enumerate(urls):
+    async def load(i: int, url: str) -> tuple[int, int, str] | None:
         try:
             _, node = await call_json("GET", f"{url}/api/v1/node", token, timeout=10)
-            loads.append((int(node.get("units") or 0), i, url))
         except ApiClientError:
-            continue
+            return None
+        return int(node.get("units") or 0), i, url
+
+    # all at once: a host that does not answer costs one timeout, not one per host before it
+    loads = [x for x in await asyncio.gather(*(load(i, u) for i, u in enumerate(urls))) if x is not None]
     if not loads:
         raise RuntimeError(f"no notebook host answers ({', '.join(urls)}): ask your admin")
     return min(loads)[2]

@@ -39,6 +39,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
     _router: KernelRouter | None = None
     _client_conn: dict | None = None
     _last_poll: tuple[float, int | None] = (0.0, None)
+    _deleted = False  # the scheduler was told to stop this kernel (kill, then cleanup, ask once)
 
     def _default_url(self) -> str:
         url = os.environ.get("GPUHUB_SCHEDULER_URL", "")
@@ -86,7 +87,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             }, timeout=60)
         except ApiClientError as exc:
             raise RuntimeError(f"gpuhub could not start the kernel: {exc.message}") from None
-        self._record = record
+        self._record, self._deleted = record, False
         self._last_poll = (0.0, None)  # a restart must not reuse the dead kernel's answer
         replicas = [{"id": r.get("id", i), **r["connection"]} for i, r in enumerate(record["replicas"])]
         if self._router is None:
@@ -172,12 +173,14 @@ class GpuhubProvisioner(KernelProvisionerBase):
         # SIGINT: gpuhub kernelspecs use interrupt_mode "message" (interrupt_request on the control channel).
 
     async def kill(self, restart: bool = False) -> None:
-        if self._record is None:
+        if self._record is None or self._deleted:
             return
         try:
             await call_json("DELETE", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=30)
+            self._deleted = True
         except ApiClientError as exc:
-            if exc.status != 404:
+            self._deleted = exc.status == 404  # the scheduler had forgotten it already
+            if not self._deleted:
                 self.log.warning("gpuhub: stopping kernel %s failed: %s", self.kernel_id, exc)
         self._last_poll = (time.monotonic(), 0)
 

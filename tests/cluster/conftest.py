@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,32 +100,17 @@ def cluster(tmp_path_factory) -> Cluster:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    item.gpuhub_started = time.time()
-    return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed cluster test keeps every host's journal from the test's start: a flaky failure is
     understood from what it left, not from a rerun that passes."""
     report = yield
-    if report.when == "call" and report.failed and "cluster" in item.keywords:
-        found = _find_cluster()
-        started = getattr(item, "gpuhub_started", None)
-        if found is not None and started is not None:
-            dest = found.parent / "failed" / re.sub(r"[^A-Za-z0-9_.-]", "_", item.name)
-            report.sections.append(("journals", f"every host's journal since the test began: {dest}"))
-            _keep_journals(found, dest, started - 5)
+    cluster = item.funcargs.get("cluster")
+    if report.when == "call" and report.failed and isinstance(cluster, Cluster):
+        dest = cluster.inventory_dir.parent / "failed" / re.sub(r"[^A-Za-z0-9_.-]", "_", item.name)
+        dest.mkdir(parents=True, exist_ok=True)
+        for host in cluster.containers:
+            journal = cluster.exec(host, "journalctl", "--no-pager", "-o", "short-precise",
+                                   "--since", f"@{call.start - 5:.0f}", check=False)
+            (dest / f"{host}.journal").write_text(journal)
+        report.sections.append(("journals", f"every host's journal since the test began: {dest}"))
     return report
-
-
-def _keep_journals(inv: Path, dest: Path, since: float) -> None:
-    data = yaml.safe_load((inv / "hosts.yml").read_text())["all"]
-    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
-    dest.mkdir(parents=True, exist_ok=True)
-    for host, v in data["hosts"].items():
-        with open(dest / f"{host}.journal", "w") as out:
-            subprocess.run(["podman", "exec", v["gpuhub_container"], "journalctl", "--no-pager", "-o",
-                            "short-precise", "--since", f"@{since:.0f}"], stdout=out, stderr=subprocess.STDOUT,
-                           env=env, timeout=60, check=False)
