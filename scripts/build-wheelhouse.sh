@@ -2,15 +2,18 @@
 # The offline wheelhouse for /opt/gpuhub/venv (docs/architecture.md D7). Runs on the controller.
 #
 #   scripts/build-wheelhouse.sh pin      regenerate requirements/runtime.txt (throwaway venv + freeze)
-#   scripts/build-wheelhouse.sh bundle   build (or reuse) the bundle; prints "bundle=<path>" and,
-#                                        when something had to be built, "changed"
+#   scripts/build-wheelhouse.sh bundle   build (or reuse) the bundle; prints its parts as key=value lines
+#                                        (deps, deps_key, wheel, key, python) and, when something had
+#                                        to be built, "changed"
 #
-# The bundle is one tar of wheels: every pin of requirements/runtime.txt (plus GPUHUB_EXTRA_REQUIREMENTS,
-# a file of more pins), the gpuhub wheel built from this repository, and runtime.txt itself.
+# The bundle has two parts, so that a change to gpuhub's code ships kilobytes, not the dependencies:
+#   deps-<hash>.tar  every pin of requirements/runtime.txt (plus GPUHUB_EXTRA_REQUIREMENTS, a file of more
+#                    pins) as wheels, with runtime.txt and extra.txt
+#   the gpuhub wheel built from this repository
+# The release key <deps hash>-<gpuhub hash> names the venv the targets build from them (docs/upgrades.md).
 # Everything is cached under .cache/wheelhouse/, keyed by hashes of its inputs:
 #   deps-<hash>/     wheels of the pins (hash: the pin files + the Python version and platform)
 #   gpuhub-<hash>/   the gpuhub wheel (hash: pyproject.toml + the package's files)
-#   bundle-<deps>-<gpuhub>.tar
 # For an air-gapped site, run `bundle` on a machine with PyPI access (same Python minor version and
 # architecture as the targets: Debian 12 = CPython 3.11, x86_64) and carry .cache/wheelhouse/ over;
 # after that the gpuhub wheel is rebuilt offline from the cached setuptools/wheel.
@@ -108,25 +111,29 @@ cmd_bundle() {
     changed=1
   fi
 
-  local bundle="$CACHE/bundle-$deps_hash-$src_hash.tar"
-  if [ ! -f "$bundle" ]; then
+  # What the targets get, in two parts: a code change ships only the (kilobyte) gpuhub wheel.
+  local deps_tar="$CACHE/deps-$deps_hash.tar"
+  if [ ! -f "$deps_tar" ]; then
     local stage
     stage=$(mktemp -d)
-    ln "$deps"/*.whl "$src"/*.whl "$stage"/ 2>/dev/null || cp "$deps"/*.whl "$src"/*.whl "$stage"/
+    chmod 0755 "$stage" # the tar's "." becomes the targets' wheel directory
+    ln "$deps"/*.whl "$stage"/ 2>/dev/null || cp "$deps"/*.whl "$stage"/
     # The build backend is not needed on the targets.
     rm -f "$stage"/setuptools-*.whl "$stage"/wheel-*.whl
     cp "$REQ" "$stage/runtime.txt"
     if [ -n "$EXTRA" ]; then cp "$EXTRA" "$stage/extra.txt"; else : >"$stage/extra.txt"; fi
-    echo "$deps_hash-$src_hash" >"$stage/BUNDLE"
-    tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$stage" -cf "$bundle.tmp" .
-    mv "$bundle.tmp" "$bundle"
+    tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$stage" -cf "$deps_tar.tmp" .
+    mv "$deps_tar.tmp" "$deps_tar"
     rm -rf "$stage"
     changed=1
   fi
-  # Keep the cache small: only the current bundle; gpuhub wheels of the last day.
-  find "$CACHE" -maxdepth 1 -name 'bundle-*.tar' ! -name "$(basename "$bundle")" -mmin +60 -delete
+  # Keep the cache small: the current dependency tar; gpuhub wheels of the last day.
+  find "$CACHE" -maxdepth 1 -name 'deps-*.tar' ! -name "$(basename "$deps_tar")" -mmin +60 -delete
+  find "$CACHE" -maxdepth 1 -name 'bundle-*.tar' -delete # the single-tar layout of earlier versions
   find "$CACHE" -maxdepth 1 -name 'gpuhub-*' -type d ! -name "gpuhub-$src_hash" -mmin +1440 -exec rm -rf {} +
-  echo "bundle=$bundle"
+  echo "deps=$deps_tar"
+  echo "deps_key=$deps_hash"
+  echo "wheel=$(ls "$src"/gpuhub-*.whl)"
   echo "key=$deps_hash-$src_hash"
   echo "python=$pyid"
   [ -z "$changed" ] || echo "changed"
@@ -136,7 +143,7 @@ case "${1:-}" in
   pin) cmd_pin ;;
   bundle) cmd_bundle ;;
   *)
-    sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -25,6 +25,41 @@ def cmd_kernelspecs(args) -> int:
     return 0
 
 
+def cmd_releases(args) -> int:
+    """The installed releases of this host (gpuhub/platform/releases.py); prune removes unused old ones."""
+    import json
+    from pathlib import Path
+
+    from gpuhub.platform import releases
+
+    root, venv = Path(args.root), Path(args.venv)
+    if args.action == "prune":
+        try:
+            removed, busy = releases.prune(root, venv, args.keep)
+        except (ValueError, OSError) as exc:
+            print(f"gpuhub releases prune: {exc}", file=sys.stderr)
+            return 2
+        for r in removed:
+            print(f"removed {r.name}")
+        for r in busy:
+            print(f"kept {r.name}: {len(r.pids)} process(es) still run from it (pids {', '.join(map(str, r.pids))})")
+        if not removed:
+            print("unchanged")
+        return 0
+    found = releases.list_releases(root, venv)
+    if args.json:
+        print(json.dumps({"releases": [r.to_dict() for r in found]}, indent=2))
+        return 0
+    if not found:
+        print(f"no releases under {root}")
+        return 0
+    for r in found:
+        mark = "*" if r.current else " "
+        state = "" if r.complete else "  (unfinished)"
+        print(f"{mark} {r.name}  {len(r.pids)} process(es){state}")
+    return 0
+
+
 def _status_commands(sub) -> None:
     """nodes, kernels, leases, version: the scheduler's view (gpuhub/admin/status.py)."""
     from gpuhub.admin import status
@@ -62,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     ki.add_argument("--replicas", type=int, default=3)
     ki.set_defaults(func=cmd_kernelspecs)
     _status_commands(sub)
+    rel = sub.add_parser("releases", help="the gpuhub releases installed on this host (* = current)")
+    rel.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
+    rel.add_argument("--root", default="/opt/gpuhub/venvs", help="where the releases are (default %(default)s)")
+    rel.add_argument("--venv", default="/opt/gpuhub/venv", help="the symlink to the current one (default %(default)s)")
+    rel.add_argument("--keep", type=int, default=2,
+                     help="prune: how many complete releases to keep, the current one included (default %(default)s)")
+    rel.add_argument("--json", action="store_true", help="list: JSON, for scripts")
+    rel.set_defaults(func=cmd_releases)
     sub.add_parser("sim", help="trace-driven simulator (gpuhub sim --help)")
     lk = sub.add_parser("local-kernel", help="run a replicated kernel on this machine (fake GPUs, no systemd)")
     from gpuhub.dev import localkernel

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import gpuhub
+from gpuhub.platform import releases
 from gpuhub.platform.config import ConfigError, load_settings, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
 
@@ -113,13 +114,19 @@ def leases(sched: Scheduler, args=None) -> tuple[dict, str]:
 
 
 def versions(sched: Scheduler, args=None) -> tuple[dict, str]:
-    """This CLI's version, the scheduler's, and every node's (from its last heartbeat)."""
+    """This CLI's version, the scheduler's, and every node's (from its last heartbeat), each with the
+    release (the installed bundle: docs/upgrades.md) it runs from."""
     listing = sched.get("/api/v1/nodes")
-    body = {"cli": gpuhub.__version__, "scheduler": (listing.get("scheduler") or {}).get("version"),
-            "nodes": {n["node"]: n.get("version") for n in listing["nodes"]}}
-    rows = [("this CLI", body["cli"]), ("scheduler", body["scheduler"] or "?")]
-    rows += [(name, v or "?") for name, v in sorted(body["nodes"].items())]
-    return body, table(("component", "version"), rows)
+    scheduler = listing.get("scheduler") or {}
+    body = {"cli": gpuhub.__version__, "scheduler": scheduler.get("version"),
+            "nodes": {n["node"]: n.get("version") for n in listing["nodes"]},
+            "releases": {"cli": releases.release_name(), "scheduler": scheduler.get("release"),
+                         "nodes": {n["node"]: n.get("release") for n in listing["nodes"]}}}
+    rel = body["releases"]
+    rows = [("this CLI", body["cli"], rel["cli"] or "-"),
+            ("scheduler", body["scheduler"] or "?", rel["scheduler"] or "-")]
+    rows += [(name, v or "?", rel["nodes"].get(name) or "-") for name, v in sorted(body["nodes"].items())]
+    return body, table(("component", "version", "release"), rows)
 
 
 def run(name: str, args, view: Callable[..., tuple[dict, str]]) -> int:

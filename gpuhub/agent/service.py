@@ -38,6 +38,7 @@ from gpuhub.agent.recovery import (
 )
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
+from gpuhub.platform import releases
 from gpuhub.platform.store import JsonStore
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class Agent:
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "units": len(self.units),
             "version": gpuhub.__version__,
+            "release": releases.release_name(),
         }
 
     # --- units ---------------------------------------------------------------
@@ -140,6 +142,11 @@ class Agent:
     def kernel_command(self, conn_path: Path) -> list[str]:
         python = sys.executable if self.config.unit_backend == "process" else f"{self.config.venv}/bin/python"
         return [python, "-m", "gpuhub.kernel", "-f", str(conn_path)]
+
+    def pinned(self, argv: list[str], env: dict) -> tuple[list[str], dict]:
+        """A unit outlives upgrades: it runs from the release the venv symlink names now, not from the
+        symlink, or it would import code of a later release lazily (gpuhub/platform/releases.py)."""
+        return releases.pin(argv, env, self.config.venv)
 
     def local_agent_url(self) -> str:
         host = self.config.listen_address
@@ -197,6 +204,7 @@ class Agent:
             if not argv or not all(isinstance(a, str) for a in argv):
                 raise UnitError("a server unit needs 'argv', a list of strings")
             memory, cpu = limits.get("server_memory_max", ""), limits.get("server_cpu_quota", "")
+        argv, env = self.pinned(argv, env)
         spec = UnitSpec(name=name, kind=kind, user=user, argv=argv, env=env, cwd=cwd,
                         memory_max=memory, cpu_quota=cpu, files=files)
         fresh_journal = journal is not None and not journal.exists()

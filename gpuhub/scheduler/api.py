@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
 import gpuhub
+from gpuhub.platform import releases
 from gpuhub.platform.http_client import ApiClientError
 from gpuhub.platform.http_server import (
     ApiError,
@@ -61,7 +62,8 @@ class HeartbeatHandler(SchedulerHandler):
 class NodesHandler(SchedulerHandler):
     def get(self) -> None:
         self.require_admin()
-        self.write_json({"nodes": self.scheduler.nodes_view(), "scheduler": {"version": gpuhub.__version__}})
+        self.write_json({"nodes": self.scheduler.nodes_view(), "scheduler": {"version": gpuhub.__version__,
+                                                                      "release": releases.release_name()}})
 
 
 class KernelRequest(Body):

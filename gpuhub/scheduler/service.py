@@ -160,7 +160,8 @@ class Scheduler:
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen,
              **{k: r.info.get(k)
-                for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version")}}
+                for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version",
+                          "release")}}
             for r in self.nodes.values()
         ]
 

@@ -56,3 +56,29 @@ def test_what_runs_on_the_controller_never_asks_for_sudo_there():
                     f"{path.relative_to(ROOT)}: {task.get('name')!r} runs on the controller under the play's "
                     "become: set become: false (the controller need not have sudo)")
     assert delegated, "no task delegated to the controller found: did the roles' layout change?"
+
+
+def test_gpu_servers_upgrade_in_batches_that_stop_at_the_first_failure():
+    """An upgrade restarts the agents a batch at a time (serial) and leaves the rest alone once one
+    fails (docs/upgrades.md); each batch waits until its agents answer from the new release."""
+    (play,) = [p for path, p in _plays() if path == "playbooks/gpu_nodes.yml"]
+    assert "gpuhub_gpu_nodes_serial" in str(play.get("serial")) and play.get("max_fail_percentage") == 0
+    tasks = yaml.safe_load((ROOT / "roles/gpuhub_agent/tasks/main.yml").read_text())
+    names = [t["name"] for t in tasks]
+    flush = next(i for i, t in enumerate(tasks) if t.get("ansible.builtin.meta") == "flush_handlers")
+    wait = next(i for i, t in enumerate(tasks) if "ansible.builtin.uri" in t)
+    assert flush < wait, names
+    assert tasks[wait]["no_log"] is True  # the request carries the agent token
+
+
+def test_a_new_release_is_built_beside_the_running_one_and_switched_atomically():
+    """The venv is never changed under running processes: a release is built in its own directory
+    (skipped when it exists), then the symlink is switched with the file module."""
+    tasks = yaml.safe_load((ROOT / "roles/gpuhub_python/tasks/main.yml").read_text())
+    build = next(t for t in tasks if "block" in t)
+    switch = next(i for i, t in enumerate(tasks) if t.get("ansible.builtin.file", {}).get("state") == "link")
+    assert tasks.index(build) < switch
+    assert "release_built" in build["when"]
+    targets = [str(t.get("ansible.builtin.command", {}).get("argv", "")) for t in _tasks(build["block"])]
+    assert any("gpuhub_python_release" in a and "pip" in a for a in targets)
+    assert not any("gpuhub_python_venv" in a for a in targets), "the build must not touch the current venv"
