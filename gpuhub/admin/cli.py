@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 
 def cmd_kernelspecs(args) -> int:
@@ -60,6 +62,31 @@ def cmd_releases(args) -> int:
     return 0
 
 
+def cmd_backup(args) -> int:
+    from pathlib import Path
+
+    from gpuhub.admin import backup
+
+    try:
+        if args.command == "backup":
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            out = Path(args.output or f"/var/backups/gpuhub/hub-{os.uname().nodename}-{stamp}.tar.gz")
+            entries = backup.create(out)
+            print(f"wrote {out} ({sum(not e.directory for e in entries)} files)")
+        else:
+            entries = backup.restore(Path(args.archive))
+            for e in entries:
+                if not e.directory:
+                    print(f"restored /{e.path}")
+    except backup.BackupError as exc:
+        print(f"gpuhub {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except PermissionError as exc:
+        print(f"gpuhub {args.command}: {exc} (run it as root)", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _status_commands(sub) -> None:
     """nodes, kernels, leases, version: the scheduler's view (gpuhub/admin/status.py)."""
     from gpuhub.admin import status
@@ -97,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     ki.add_argument("--replicas", type=int, default=3)
     ki.set_defaults(func=cmd_kernelspecs)
     _status_commands(sub)
+    bk = sub.add_parser("backup", help="the hub host's state (database, secrets, TLS, the scheduler's books) "
+                                       "in one archive, readable by root only")
+    bk.add_argument("--output", help="the archive to write (default /var/backups/gpuhub/hub-HOST-TIME.tar.gz)")
+    bk.set_defaults(func=cmd_backup)
+    rs = sub.add_parser("restore", help="put a backup's files back (stop jupyterhub and gpuhub-scheduler first)")
+    rs.add_argument("archive")
+    rs.set_defaults(func=cmd_backup)
     rel = sub.add_parser("releases", help="the gpuhub releases installed on this host (* = current)")
     rel.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
     rel.add_argument("--root", default="/opt/gpuhub/venvs", help="where the releases are (default %(default)s)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,19 @@ class Cluster:
         if check and proc.returncode != 0:
             raise AssertionError(f"{node}: {' '.join(argv)} failed: {proc.stderr or proc.stdout}")
         return proc.stdout
+
+
+def ansible_playbook(cluster: Cluster, playbook: str, *args: str, tree: Path = ROOT, timeout: float = 1500) -> str:
+    """``ansible-playbook PLAYBOOK ARGS`` from ``tree`` (a gpuhub checkout) against the cluster's
+    inventory, as an admin runs it; its output. Fails the test with the output's tail if it fails."""
+    binary = Path(sys.executable).parent / "ansible-playbook"
+    env = dict(os.environ, ANSIBLE_CONFIG=str(tree / "ansible.cfg"), CONTAINERS_CONF=str(CONTAINERS_CONF))
+    started = time.monotonic()
+    proc = subprocess.run([str(binary), "-i", str(cluster.inventory_dir / "hosts.yml"), playbook, *args], cwd=tree,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"{playbook} from {tree}: {time.monotonic() - started:.0f} s")
+    assert proc.returncode == 0, f"{playbook} from {tree} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    return proc.stdout
 
 
 def _find_cluster() -> Path | None:

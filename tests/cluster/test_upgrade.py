@@ -8,23 +8,17 @@ found, so a second run of the suite on the same cluster starts where the first d
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import CONTAINERS_CONF, ROOT
+from tests.cluster.conftest import ROOT, ansible_playbook
 from tests.cluster.test_e2e import HubUser, replica_units, unit_props
 
 pytestmark = pytest.mark.cluster
-
-DEPLOY_TIMEOUT_S = 1500
-
 
 def gpuhub_hosts(cluster) -> list[str]:
     return sorted({h for g in ("hub", "notebook_hosts", "gpu_nodes") for h in cluster.groups[g]})
@@ -55,18 +49,6 @@ def next_commit(tmp_path: Path) -> tuple[Path, str]:
     return tree, probe
 
 
-def site_yml(cluster, tree: Path) -> str:
-    """ansible-playbook site.yml from ``tree`` against the cluster's inventory; its output."""
-    playbook = Path(sys.executable).parent / "ansible-playbook"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(tree / "ansible.cfg"), CONTAINERS_CONF=str(CONTAINERS_CONF))
-    started = time.monotonic()
-    proc = subprocess.run([str(playbook), "-i", str(cluster.inventory_dir / "hosts.yml"), "site.yml"], cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S)
-    print(f"site.yml from {tree}: {time.monotonic() - started:.0f} s")
-    assert proc.returncode == 0, f"site.yml from {tree} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    return proc.stdout
-
-
 def test_an_upgrade_keeps_a_running_kernel_and_a_rollback_is_a_switch(cluster, tmp_path):
     hub = cluster.groups["hub"][0]
     cli = "/opt/gpuhub/venv/bin/gpuhub"
@@ -92,7 +74,7 @@ def test_an_upgrade_keeps_a_running_kernel_and_a_rollback_is_a_switch(cluster, t
         # reads, and JupyterLab, which answers them, reconnects after a hub restart anyway.
         channel.close()
         tree, probe = next_commit(tmp_path)
-        out = site_yml(cluster, tree)
+        out = ansible_playbook(cluster, "site.yml", tree=tree)
         channel = alice.kernel(kid)
         after = current_releases(cluster)
         (new,) = set(after.values())
@@ -128,7 +110,7 @@ def test_an_upgrade_keeps_a_running_kernel_and_a_rollback_is_a_switch(cluster, t
 
         # --- the rollback: the earlier commit's site.yml switches back, builds nothing -------------
         channel.close()
-        out = site_yml(cluster, ROOT)
+        out = ansible_playbook(cluster, "site.yml")
         channel = alice.kernel(kid)
         assert current_releases(cluster) == before
         assert "Create the release's venv" not in out and "Copy the gpuhub wheel" not in out
