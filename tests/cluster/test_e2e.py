@@ -360,6 +360,51 @@ def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
     assert wait_for(scraped, 45, interval=3), f"expected these targets up: {expected}"
 
 
+# A webhook receiver for Alertmanager, on the monitoring host: appends "<path> <body>" per POST.
+WEBHOOK = r"""
+import http.server
+class Receiver(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with open("/run/gpuhub-e2e-webhook.log", "ab") as f:
+            f.write(self.path.encode() + b" " + body.replace(b"\n", b" ") + b"\n")
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", 9099), Receiver).serve_forever()
+"""
+
+
+def test_alerts_reach_alertmanager_and_its_webhooks(cluster):
+    """Prometheus sends its alerts to the Alertmanager beside it, which delivers them to the
+    inventory's webhooks (here a receiver on the monitoring host); nothing of it listens outside."""
+    mon = cluster.groups["monitoring"][0]
+    addr = cluster.hosts[mon]
+    for port in (9093, 9094):  # the API on loopback only, no gossip port at all
+        with pytest.raises(requests.ConnectionError):
+            http_session(cluster).get(f"http://{addr}:{port}/", timeout=5)
+    cluster.exec(mon, "rm", "-f", "/run/gpuhub-e2e-webhook.log")
+    cluster.exec(mon, "systemd-run", "--unit=gpuhub-e2e-webhook", "--collect", "python3", "-c", WEBHOOK)
+    try:
+        def delivered():
+            log = cluster.exec(mon, "cat", "/run/gpuhub-e2e-webhook.log", check=False)
+            for line in log.splitlines():
+                path, _, body = line.partition(" ")
+                if path == "/watchdog":
+                    return json.loads(body)
+            return None
+
+        # The watchdog is repeated every minute in the test cluster's inventory.
+        message = wait_for(delivered, 150, interval=2)
+        assert message, "no GpuhubWatchdog notification reached the webhook within 150 s"
+        (alert,) = message["alerts"]
+        assert alert["labels"]["alertname"] == "GpuhubWatchdog" and alert["labels"]["cluster"] == "gpuhub"
+        assert alert["status"] == "firing"
+    finally:
+        cluster.exec(mon, "systemctl", "stop", "gpuhub-e2e-webhook", check=False)
+
+
 def test_zz_losing_an_idle_replicas_server_loses_nothing(cluster, alice_kernel):
     """Runs last: `podman kill` (a power cut) of a GPU node holding an idle replica of the kernel.
     The other two replicas are a majority: the next cell works and sees the state from before."""

@@ -350,3 +350,62 @@ def test_node_exporter_command_line_flags_exist():
     args = _render_args("node_exporter", "prometheus-node-exporter.default.j2")
     r = subprocess.run([exe, *args, "--version"], check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
+
+
+# --------------------------------------------------------------------------- Alertmanager
+
+
+def render_alertmanager(tmp_path: Path, extra_vars: dict) -> dict:
+    """roles/alertmanager's alertmanager.yml with its defaults and ``extra_vars``, rendered by Ansible."""
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "vars.json").write_text(json.dumps({"out": str(tmp_path / "alertmanager.yml"), **extra_vars}))
+    (tmp_path / "render.yml").write_text(
+        "- hosts: localhost\n"
+        "  gather_facts: false\n"
+        f"  vars_files: [{REPO / 'roles/alertmanager/defaults/main.yml'}]\n"
+        "  tasks:\n"
+        "    - ansible.builtin.template:\n"
+        f"        src: {REPO / 'roles/alertmanager/templates/alertmanager.yml.j2'}\n"
+        "        dest: '{{ out }}'\n"
+        "        mode: '0600'\n"
+    )
+    r = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                        "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"@{tmp_path / 'vars.json'}",
+                        str(tmp_path / "render.yml")],
+                       capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return yaml.safe_load((tmp_path / "alertmanager.yml").read_text())
+
+
+def test_alertmanager_sends_every_alert_to_the_inventorys_receivers(tmp_path):
+    """Webhooks and mail get every gpuhub alert; the always-firing watchdog goes only to the dead
+    man's switch. (The cluster test delivers through a real Alertmanager; amtool validates the file
+    when the role installs it.)"""
+    cfg = render_alertmanager(tmp_path / "full", {
+        "alertmanager_webhook_urls": ["https://chat.example.org/hook"],
+        "alertmanager_email_to": "ops@example.org", "alertmanager_email_from": "gpuhub@example.org",
+        "alertmanager_email_smarthost": "smtp.example.org:587", "alertmanager_email_auth_username": "gpuhub",
+        "alertmanager_email_auth_password": "s3cret: with a colon", "alertmanager_watchdog_url": "https://dms.example/x",
+    })
+    receivers = {r["name"]: r for r in cfg["receivers"]}
+    assert cfg["route"]["receiver"] == "gpuhub"
+    assert receivers["gpuhub"]["webhook_configs"] == [{"url": "https://chat.example.org/hook", "send_resolved": True}]
+    assert receivers["gpuhub"]["email_configs"] == [{"to": "ops@example.org", "send_resolved": True}]
+    assert cfg["global"]["smtp_auth_password"] == "s3cret: with a colon"
+    assert cfg["global"]["smtp_smarthost"] == "smtp.example.org:587" and cfg["global"]["smtp_require_tls"] is True
+    (watchdog,) = cfg["route"]["routes"]
+    assert watchdog["receiver"] == "watchdog" and watchdog["matchers"] == ['alertname = "GpuhubWatchdog"']
+    assert receivers["watchdog"]["webhook_configs"] == [{"url": "https://dms.example/x"}]
+
+    bare = render_alertmanager(tmp_path / "bare", {})  # the defaults: no receiver, no mail settings
+    assert "global" not in bare
+    assert {r["name"]: r for r in bare["receivers"]} == {"gpuhub": {"name": "gpuhub"}, "watchdog": {"name": "watchdog"}}
+
+
+def test_prometheus_sends_alerts_to_the_alertmanager_beside_it_unless_turned_off(tmp_path):
+    inv = local_inventory({"box": {"ansible_host": "127.0.0.1"}}, {"hub": ["box"], "monitoring": ["box"]})
+    on = yaml.safe_load((run_role_config(tmp_path / "on", inv, {}) / "prometheus.yml").read_text())
+    assert on["alerting"]["alertmanagers"] == [{"static_configs": [{"targets": ["127.0.0.1:9093"]}]}]
+    off = yaml.safe_load((run_role_config(tmp_path / "off", inv, {"gpuhub_alertmanager": False})
+                          / "prometheus.yml").read_text())
+    assert "alerting" not in off
