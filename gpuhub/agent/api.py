@@ -235,10 +235,23 @@ class LeasesHandler(AgentHandler):
                          "gpus": self.agent.gpu_uuids(lease)})
 
 
+# A week: longer than any cell waits for a GPU (the kernel gives up long before).
+MAX_WAITED_S = 7 * 86400.0
+
+
 class LeaseHandler(AgentHandler):
     def delete(self, lease_id: str) -> None:
         unit = self.require_unit()
-        released = self.agent.release(unit, lease_id)
+        raw = self.get_query_argument("waited_s", None)
+        waited_s = None
+        if raw is not None:
+            try:
+                waited_s = float(raw)
+            except ValueError:
+                waited_s = -1.0
+            if not 0.0 <= waited_s <= MAX_WAITED_S:  # also NaN
+                raise ApiError(400, f"waited_s must be seconds between 0 and {MAX_WAITED_S:g}, not {raw[:40]!r}")
+        released = self.agent.release(unit, lease_id, waited_s)
         self.write_json({"lease_id": lease_id, "released": released})
 
 

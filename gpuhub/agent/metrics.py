@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Seconds: from a grant taken at once (a few ms) to a cell that waited minutes for a busy server.
+CELL_GPU_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def cell_gpu_wait_histogram() -> Histogram:
+    """What users feel of oversubscription: how long a GPU cell waited, from its arrival at the
+    kernel until its replica held the GPUs (reported by the kernel when it gives the lease back)."""
+    return Histogram("gpuhub_agent_cell_gpu_wait_seconds",
+                     "GPU cells: seconds from the cell's arrival at the kernel until it held its GPUs",
+                     labelnames=["node"], buckets=CELL_GPU_WAIT_BUCKETS, registry=None)
 
 
 class AgentCollector:
@@ -36,6 +47,7 @@ class AgentCollector:
             c = CounterMetricFamily(f"gpuhub_agent_leases_{key}", f"GPU lease requests {key}", labels=["node"])
             c.add_metric([node], a.counters[key])
             yield c
+        yield from a.cell_gpu_wait.collect()
         busy = a.book.busy
         label_names = ["node", "gpu", "uuid"]
         fams = {

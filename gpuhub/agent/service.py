@@ -20,6 +20,7 @@ import gpuhub
 from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
+from gpuhub.agent.metrics import cell_gpu_wait_histogram
 from gpuhub.agent.ports import kernel_connection, ports_taken
 from gpuhub.agent.records import (
     CONNECTION_FILE,
@@ -66,6 +67,8 @@ class Agent:
         self.store = JsonStore(self.state_path, durable=False)
         self.journals = Journals(config.state_dir)
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
+        self.cell_gpu_wait = cell_gpu_wait_histogram()
+        self.cell_gpu_wait.labels(config.node_name)  # exported from 0 on, so rate() sees the first cell
         self._gpu_cache: tuple[float, list] = (0.0, [])
 
     # --- persistence and recovery ----------------------------------------------
@@ -330,12 +333,16 @@ class Agent:
             self.save()
         return lease
 
-    def release(self, unit: UnitRecord, lease_id: str) -> bool:
+    def release(self, unit: UnitRecord, lease_id: str, waited_s: float | None = None) -> bool:
+        """Take a lease back. ``waited_s``: the kernel ran a cell under it, which had waited that
+        long for its GPUs (a replica that lost the cell's election gives its grant back without)."""
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False  # idempotent; and a unit can only release its own leases
         self.book.release(lease_id)
         self.counters["released"] += 1
+        if waited_s is not None:
+            self.cell_gpu_wait.labels(self.config.node_name).observe(waited_s)
         self._leases_changed()
         self.save()
         return True

@@ -97,6 +97,7 @@ class GpuhubKernel(IPythonKernel):
         self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
+        self._cell_arrived = time.monotonic()  # when the cell now running reached this replica
         self._notes: dict[str, dict] = {}  # cell -> what the router said of it (missed, to)
         self.control_handlers[DISPATCH_NOTE] = self._on_dispatch_note
         if self.gpus > 0:
@@ -197,6 +198,7 @@ class GpuhubKernel(IPythonKernel):
                                   cell_meta=None, cell_id=None) -> dict:
         rep = self.replica
         cell = self.get_parent("shell")["header"]["msg_id"]
+        self._cell_arrived = time.monotonic()
         self._interrupted.clear()
         rep.interrupted.clear()
         if self._unfinished is not None:  # a cell that ran here when the group had no majority
@@ -383,6 +385,8 @@ class GpuhubKernel(IPythonKernel):
                             allow_stdin, cell_meta, cell_id) -> dict:
         """This replica runs the cell (elected, or under the lease)."""
         rep = self.replica
+        if grant is not None:  # reported when the lease goes back: what the user waited for the GPUs
+            grant.waited_s = time.monotonic() - self._cell_arrived
         self._show_startup_notice()
         # Every committed image is applied here before the cell runs (this replica may have
         # missed cells: the router skipped it, or it was stopped for a while).

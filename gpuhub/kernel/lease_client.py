@@ -25,6 +25,8 @@ class Lease:
     lease_id: str
     node: str
     uuids: list[str]
+    # Set when a cell runs under this lease: how long it waited for the GPUs (the agent's histogram).
+    waited_s: float | None = None
 
 
 class LeaseClient:
@@ -66,7 +68,8 @@ class LeaseClient:
     def release(self, grant: Lease) -> None:
         for attempt in range(3):
             try:
-                self._call("DELETE", f"/api/v1/leases/{grant.lease_id}")
+                query = "" if grant.waited_s is None else f"?waited_s={max(0.0, grant.waited_s):.6f}"
+                self._call("DELETE", f"/api/v1/leases/{grant.lease_id}{query}")
                 return
             except LeaseError:
                 time.sleep(0.2 * (attempt + 1))

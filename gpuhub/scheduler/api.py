@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
@@ -20,6 +19,7 @@ from gpuhub.platform.http_server import (
 )
 from gpuhub.platform.schema import Body, invalid
 from gpuhub.scheduler.auth import HubUserResolver
+from gpuhub.scheduler.metrics import scheduler_registry
 from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import Scheduler
 
@@ -137,49 +137,11 @@ class KernelHandler(SchedulerHandler):
         self.write_json({"stopped": kernel_id})
 
 
-class SchedulerCollector:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-
-    def collect(self):
-        s = self.s
-        live = sum(1 for r in s.nodes.values() if s.live(r))
-        g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Servers by whether they heartbeat (GPU servers and "
-                              "notebook hosts)", labels=["state"])
-        g.add_metric(["live"], live)
-        g.add_metric(["lost"], len(s.nodes) - live)
-        yield g
-        g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
-        g.add_metric([], len(s.kernels))
-        yield g
-        for key in ("placements", "placement_failures", "replacements"):
-            c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
-            c.add_metric([], s.counters[key])
-            yield c
-        views = [v for v in s.node_views() if v.schedulable]  # the GPU servers that can take kernels
-        total = sum(v.gpu_count for v in views)
-        pending = sum(v.pending for v in views)
-        # Each kernel's GPUs once, whatever its replica count: what a reservation system would hold.
-        reserved = sum(k.gpus for k in s.kernels.values())
-        g = GaugeMetricFamily("gpuhub_cluster_gpus", "GPUs in the cluster", labels=["state"])
-        g.add_metric(["total"], total)
-        g.add_metric(["pending"], pending)
-        g.add_metric(["committed"], sum(v.committed for v in views))
-        g.add_metric(["reserved"], reserved)
-        yield g
-        g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio",
-                              "Each kernel's GPUs once over all GPUs (= pending / (GPUs x R) with R replicas each)")
-        g.add_metric([], reserved / total if total else 0.0)
-        yield g
-
-
 class MetricsHandler(SchedulerHandler):
     def get(self) -> None:
         self.require_admin()
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(SchedulerCollector(self.scheduler))
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(generate_latest(reg))
+        self.finish(generate_latest(scheduler_registry(self.scheduler)))
 
 
 def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Application:

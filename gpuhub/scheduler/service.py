@@ -16,6 +16,7 @@ from pathlib import Path
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.scheduler.config import SchedulerConfig
+from gpuhub.scheduler.metrics import kernel_start_histogram
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Scheduler:
         self.path = Path(config.state_dir) / "books.json"
         self.store = JsonStore(self.path)  # 0600: the books hold kernel keys
         self.counters = {"placements": 0, "placement_failures": 0, "replacements": 0}
+        self.kernel_start = kernel_start_histogram()
         self.started = time.time()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
 
@@ -175,6 +177,7 @@ class Scheduler:
             if existing.user != user:
                 raise PermissionError("that kernel belongs to another user")
             return existing
+        started = time.monotonic()
         try:
             chosen = place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio)
         except PlacementError:
@@ -193,6 +196,7 @@ class Scheduler:
             raise
         self.kernels[kernel_id] = record
         self.counters["placements"] += 1
+        self.kernel_start.observe(time.monotonic() - started)
         self.save()
         log.info("kernel %s of %s placed on %s", kernel_id, user, ", ".join(r.node for r in record.replicas))
         return record

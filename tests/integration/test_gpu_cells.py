@@ -241,6 +241,18 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
     assert len(first) == 2, results
     assert "waiting for 1 GPU" in results[2][1]["stderr"]
     assert results[2][0]["status"] == "ok"
+    # What users felt, in the agent's histogram: the third cell waited (until a 4 s cell ended), the
+    # first two got their GPUs at once. Each is counted when its lease goes back.
+    def wait_samples():
+        text = agent.call("GET", "/metrics")[1]
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("gpuhub_agent_cell_gpu_wait_seconds")}
+
+    prefix = "gpuhub_agent_cell_gpu_wait_seconds"
+    wait_for(lambda: wait_samples()[f'{prefix}_count{{node="gpunode"}}'] == 3, 30, "three cells' waits counted")
+    waits = wait_samples()
+    assert waits[f'{prefix}_bucket{{le="0.5",node="gpunode"}}'] <= 2, waits
+    assert waits[f'{prefix}_sum{{node="gpunode"}}'] >= 0.5, waits
     for kc in kcs:
         kc.stop_channels()
 

@@ -69,6 +69,43 @@ def test_agent_restart_costs_one_reconnect(make_agent):
     assert client.http.connections_opened == 2
 
 
+def wait_histogram(agent) -> dict[str, float]:
+    """gpuhub_agent_cell_gpu_wait_seconds from the agent's /metrics: sample name+labels -> value."""
+    status, text = agent.call("GET", "/metrics")
+    assert status == 200
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("gpuhub_agent_cell_gpu_wait_seconds")}
+
+
+def test_a_cells_wait_for_its_gpus_is_counted_once_when_its_lease_goes_back(make_agent):
+    agent = make_agent("gcnode", gpus=1)
+    client = lease_client(agent)
+    loser = client.try_grant(1)
+    client.release(loser)  # a replica that lost the election: its grant did not run the cell
+    assert wait_histogram(agent)['gpuhub_agent_cell_gpu_wait_seconds_count{node="gcnode"}'] == 0
+    ran = client.try_grant(1)
+    ran.waited_s = 3.2
+    client.release(ran)
+    h = wait_histogram(agent)
+    assert h['gpuhub_agent_cell_gpu_wait_seconds_count{node="gcnode"}'] == 1
+    assert h['gpuhub_agent_cell_gpu_wait_seconds_sum{node="gcnode"}'] == pytest.approx(3.2)
+    assert h['gpuhub_agent_cell_gpu_wait_seconds_bucket{le="2.5",node="gcnode"}'] == 0
+    assert h['gpuhub_agent_cell_gpu_wait_seconds_bucket{le="5.0",node="gcnode"}'] == 1
+    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+
+
+def test_a_bad_wait_is_refused_and_the_lease_kept(make_agent):
+    agent = make_agent("gcnode", gpus=1)
+    client = lease_client(agent)
+    grant = client.try_grant(1)
+    for bad in ("-1", "nan", "inf", "soon", "1e9"):
+        status, body = client._call("DELETE", f"/api/v1/leases/{grant.lease_id}?waited_s={bad}")
+        assert status == 400 and "waited_s must be seconds" in body["error"], (bad, body)
+    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 1  # nothing lost: still held
+    client.release(grant)
+    assert agent.call("GET", "/api/v1/node")[1]["committed"] == 0
+
+
 def test_agent_killed_then_back(make_agent):
     agent = make_agent("gcnode", gpus=1)
     client = lease_client(agent)

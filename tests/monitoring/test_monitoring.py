@@ -140,6 +140,10 @@ def test_saved_gpu_hours_arithmetic(monitoring_stack):
     assert q('gpuhub_cluster_gpus{state="reserved"}') == pytest.approx(3.0)
     assert q("gpuhub_cluster_subscription_ratio") == pytest.approx(3 / 6)
     assert q("gpuhub_scheduler_kernels") == 2 and q("gpuhub_scheduler_placements_total") == 2
+    # each placement's time in the kernel-start histogram; the agents export theirs from 0 on
+    assert q("gpuhub_scheduler_kernel_start_seconds_count") == 2
+    assert q('gpuhub_scheduler_kernel_start_seconds_bucket{le="+Inf"}') == 2
+    assert q("sum(gpuhub_agent_cell_gpu_wait_seconds_count)") == 0  # no cell ran through a kernel here
     # every server that heartbeats is live, the notebook host without GPUs too: "lost" alerts
     assert q('gpuhub_scheduler_nodes{state="live"}') == 4 and q('gpuhub_scheduler_nodes{state="lost"}') == 0
 

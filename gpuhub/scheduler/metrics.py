@@ -1,0 +1,59 @@
+"""The scheduler's Prometheus metrics, read from its live state at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+KERNEL_START_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+
+
+def kernel_start_histogram() -> Histogram:
+    """How long a new kernel took to place: its replicas chosen, started on their servers and told
+    of each other (what a user waits for after choosing a kernel, before it starts up)."""
+    return Histogram("gpuhub_scheduler_kernel_start_seconds",
+                     "Seconds to place a new kernel: choose its servers, start its replicas, send them their peers",
+                     buckets=KERNEL_START_BUCKETS, registry=None)
+
+
+class SchedulerCollector:
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+
+    def collect(self):
+        s = self.s
+        live = sum(1 for r in s.nodes.values() if s.live(r))
+        g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Servers by whether they heartbeat (GPU servers and "
+                              "notebook hosts)", labels=["state"])
+        g.add_metric(["live"], live)
+        g.add_metric(["lost"], len(s.nodes) - live)
+        yield g
+        yield from s.kernel_start.collect()
+        g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
+        g.add_metric([], len(s.kernels))
+        yield g
+        for key in ("placements", "placement_failures", "replacements"):
+            c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
+            c.add_metric([], s.counters[key])
+            yield c
+        views = [v for v in s.node_views() if v.schedulable]  # the GPU servers that can take kernels
+        total = sum(v.gpu_count for v in views)
+        pending = sum(v.pending for v in views)
+        # Each kernel's GPUs once, whatever its replica count: what a reservation system would hold.
+        reserved = sum(k.gpus for k in s.kernels.values())
+        g = GaugeMetricFamily("gpuhub_cluster_gpus", "GPUs in the cluster", labels=["state"])
+        g.add_metric(["total"], total)
+        g.add_metric(["pending"], pending)
+        g.add_metric(["committed"], sum(v.committed for v in views))
+        g.add_metric(["reserved"], reserved)
+        yield g
+        g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio",
+                              "Each kernel's GPUs once over all GPUs (= pending / (GPUs x R) with R replicas each)")
+        g.add_metric([], reserved / total if total else 0.0)
+        yield g
+
+
+def scheduler_registry(scheduler) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SchedulerCollector(scheduler))
+    return reg
