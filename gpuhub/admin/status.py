@@ -20,9 +20,10 @@ DEFAULT_CONFIG = "/etc/gpuhub/scheduler.toml"
 class StatusError(Exception):
     """What went wrong, in words an admin can act on; exit status 2 (setup) or 1 (the call)."""
 
-    def __init__(self, message: str, exit_status: int) -> None:
+    def __init__(self, message: str, exit_status: int, http_status: int = 0) -> None:
         super().__init__(message)
         self.exit_status = exit_status
+        self.http_status = http_status  # the scheduler's answer, when it gave one
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,11 @@ class Scheduler:
         return cls(f"http://{host}:{config.port}", token, config.token_file)
 
     def get(self, path: str) -> dict:
+        return self.call("GET", path)
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
-            _, body = call_json_sync("GET", f"{self.url}{path}", self.token, timeout=20)
+            _, body = call_json_sync(method, f"{self.url}{path}", self.token, body, timeout=20)
         except ApiClientError as exc:
             if exc.status == 0:
                 raise StatusError(f"cannot reach the scheduler at {self.url} ({exc.message}); is it running? "
@@ -56,7 +60,8 @@ class Scheduler:
             if exc.status in (401, 403):
                 raise StatusError(f"the scheduler at {self.url} refused the token in {self.token_file} "
                                   f"({exc.status} {exc.message}); is it the scheduler's own token?", 1) from None
-            raise StatusError(f"the scheduler at {self.url} answered {exc.status}: {exc.message}", 1) from None
+            raise StatusError(f"the scheduler at {self.url} answered {exc.status}: {exc.message}", 1,
+                              exc.status) from None
         return body
 
 
@@ -81,12 +86,44 @@ def age(since: float | None, now: float) -> str:
 def nodes(sched: Scheduler, args=None) -> tuple[dict, str]:
     body = sched.get("/api/v1/nodes")
     now = time.time()
-    rows = [(n["node"], "yes" if n["live"] else "NO", n.get("gpu_count") or 0, n.get("pending") or 0,
-             n.get("committed") or 0, n.get("units") or 0, n.get("gpu_backend"), n.get("version") or "?",
-             age(n.get("last_seen"), now))
+    rows = [(n["node"], ("yes" if n["live"] else "NO") + (", drained" if n.get("drained") else ""),
+             n.get("gpu_count") or 0, n.get("pending") or 0, n.get("committed") or 0, n.get("units") or 0,
+             n.get("gpu_backend"), n.get("version") or "?", age(n.get("last_seen"), now))
             for n in body["nodes"]]
     return body, table(("node", "live", "gpus", "pending", "committed", "units", "backend", "version", "seen"),
                        rows)
+
+
+def drain(sched: Scheduler, args) -> tuple[dict, str]:
+    """``gpuhub node drain|undrain NODE``: the scheduler's flag; with --wait, until the server runs
+    no kernel replica any more (each kernel's replica there is moved, one kernel at a time)."""
+    drained = args.action == "drain"
+    try:
+        view = sched.call("PUT", f"/api/v1/nodes/{args.node}/drain", {"drained": drained})
+    except StatusError as exc:
+        if exc.http_status == 404:
+            raise StatusError(f"no server named {args.node!r}; gpuhub nodes lists them", 1) from None
+        raise
+    if drained and args.wait:
+        deadline = time.monotonic() + args.timeout
+        left, told = view.get("kernel_replicas") or 0, None
+        while left:
+            if left != told:
+                print(f"{args.node}: {left} kernel replica(s) still to move", file=sys.stderr, flush=True)
+                told = left
+            if time.monotonic() > deadline:
+                raise StatusError(f"{args.node} still runs {left} kernel replica(s) after {args.timeout:g} s "
+                                  "(gpuhub kernels shows them; the scheduler's journal says why)", 1)
+            time.sleep(2)
+            view = next((n for n in sched.get("/api/v1/nodes")["nodes"] if n["node"] == args.node), view)
+            left = view.get("kernel_replicas") or 0
+    if not drained:
+        text = f"{args.node}: back in service"
+    elif view.get("kernel_replicas"):
+        text = f"{args.node}: drained; {view['kernel_replicas']} kernel replica(s) are moving away (gpuhub nodes)"
+    else:
+        text = f"{args.node}: drained; no kernel replica runs there"
+    return view, text
 
 
 def kernels(sched: Scheduler, args=None) -> tuple[dict, str]:

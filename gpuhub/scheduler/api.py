@@ -66,6 +66,24 @@ class NodesHandler(SchedulerHandler):
                                                                       "release": releases.release_name()}})
 
 
+class DrainRequest(Body):
+    """PUT /api/v1/nodes/<node>/drain."""
+
+    drained: bool
+
+
+class NodeDrainHandler(SchedulerHandler):
+    def put(self, node: str) -> None:
+        self.require_admin()
+        body = self.parse_body(DrainRequest)
+        try:
+            rec = self.scheduler.set_drained(node, body.drained)
+        except KeyError:
+            raise ApiError(404, f"no server named {node!r} has heartbeated to this scheduler") from None
+        view = next(n for n in self.scheduler.nodes_view() if n["node"] == rec.name)
+        self.write_json(view)
+
+
 class KernelRequest(Body):
     """POST /api/v1/kernels. Fields in the order they are checked: the first problem is the 400."""
 
@@ -149,6 +167,7 @@ def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Applic
     return Application([
         (r"/api/v1/nodes/heartbeat", HeartbeatHandler, args),
         (r"/api/v1/nodes", NodesHandler, args),
+        (r"/api/v1/nodes/([A-Za-z0-9_.-]+)/drain", NodeDrainHandler, args),
         (r"/api/v1/kernels", KernelsHandler, args),
         (r"/api/v1/kernels/([a-z0-9-]+)", KernelHandler, args),
         (r"/metrics", MetricsHandler, args),

@@ -38,6 +38,8 @@ class NodeRecord:
     url: str
     info: dict
     last_seen: float
+    # Set by an admin (gpuhub node drain): no new replica goes here, and the replicas here move away.
+    drained: bool = False
 
 
 @dataclass
@@ -113,7 +115,8 @@ class Scheduler:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         data = {
-            "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen} for n, r in self.nodes.items()},
+            "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen, "drained": r.drained}
+                      for n, r in self.nodes.items()},
             "kernels": {k: r.books() for k, r in self.kernels.items()},
         }
         self.store.save(data)
@@ -127,7 +130,7 @@ class Scheduler:
         if data is None:
             return
         for name, n in data.get("nodes", {}).items():
-            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"])
+            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"], bool(n.get("drained", False)))
         for kid, k in data.get("kernels", {}).items():
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
             self.kernels[kid] = KernelRecord(**k, replicas=reps)
@@ -137,11 +140,23 @@ class Scheduler:
         name, url = info.get("node"), info.get("url")
         if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
             raise ValueError("a heartbeat needs 'node' and 'url'")
-        fresh = name not in self.nodes
-        self.nodes[name] = NodeRecord(name, url, info, time.time())
+        known = self.nodes.get(name)
+        fresh = known is None
+        self.nodes[name] = NodeRecord(name, url, info, time.time(), drained=bool(known and known.drained))
         if fresh:
             log.info("node %s registered (%s GPU(s)) at %s", name, info.get("gpu_count"), url)
             self.save()
+
+    def set_drained(self, name: str, drained: bool) -> NodeRecord:
+        """Drain a server (no new replicas; heal moves its replicas away, one per kernel at a time)
+        or put it back in service. KeyError: no such server."""
+        rec = self.nodes[name]
+        if rec.drained != drained:
+            rec.drained = drained
+            self.save()
+            log.info("node %s %s", name, "drained: its replicas move to other servers" if drained
+                     else "back in service")
+        return rec
 
     def live(self, rec: NodeRecord) -> bool:
         return time.time() - rec.last_seen <= self.config.node_timeout_s
@@ -153,14 +168,15 @@ class Scheduler:
                 gpu_count=int(r.info.get("gpu_count", 0)),
                 pending=int(r.info.get("pending", 0)),
                 committed=int(r.info.get("committed", 0)),
-                schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]),
+                schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained,
             )
             for r in self.nodes.values()
         ]
 
     def nodes_view(self) -> list[dict]:
         return [
-            {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen,
+            {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen, "drained": r.drained,
+             "kernel_replicas": sum(1 for k in self.kernels.values() for rep in k.replicas if rep.node == r.name),
              **{k: r.info.get(k)
                 for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version",
                           "release")}}
@@ -239,6 +255,10 @@ class Scheduler:
         node = self.nodes.get(name)
         return node is not None and self.live(node)
 
+    def _drained(self, node: str) -> bool:
+        rec = self.nodes.get(node)
+        return bool(rec and rec.drained)
+
     def why_lost(self, rep: ReplicaRecord, now: float) -> str | None:
         """Why ``rep`` needs a replacement, or None. Its node stopped heartbeating, or its unit has
         been dead on a live node for ``replica_dead_grace_s`` (a node that rebooted within the node
@@ -267,6 +287,12 @@ class Scheduler:
             lost = [(r, why) for r in record.replicas if (why := self.why_lost(r, now))]
             if lost:
                 await self._replace_lost(record, lost)
+                continue
+            # A drain moves one replica of a kernel at a time, and only a healthy kernel's: the
+            # others stay a majority while the newcomer catches up.
+            draining = [r for r in record.replicas if self._drained(r.node)]
+            if draining and not record.peers_pending:
+                await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")])
 
     def _note(self, record: KernelRecord, why: str) -> None:
         if self._heal_notes.get(record.kernel_id) != why:

@@ -104,3 +104,50 @@ def test_a_scheduler_that_does_not_answer_says_so(cluster, tmp_path):
 def test_a_missing_token_file_is_a_setup_error(cluster, tmp_path):
     out = gpuhub_cli("leases", "--config", _config_with(cluster, tmp_path, token_file=str(tmp_path / "nope")))
     assert out.returncode == 2 and "does not exist" in out.stderr, out.stderr
+
+
+def test_a_drained_server_hands_its_replicas_over_and_takes_no_new_kernel(tmp_path):
+    """``gpuhub node drain --wait`` before maintenance: the kernel's replica there (the one that ran
+    the last cell) moves to the spare server and catches up; the kernel keeps its variables and runs
+    on; a new kernel avoids the drained server; ``undrain`` puts it back."""
+    from tests.integration.test_replicated import (
+        ReplicatedKernel,
+        assert_equal_namespaces,
+        eventually,
+        executor_node,
+        ok,
+        one_gpu_kernel_on_four_nodes,
+    )
+
+    with one_gpu_kernel_on_four_nodes(tmp_path, node_timeout_s=3) as (cluster, kernel):
+        config = config_of(cluster)
+        ok(kernel, "x = 1")
+        victim = executor_node(kernel)
+        others = {a.name for a in cluster.agents} - {victim}
+        out = gpuhub_cli("node", "drain", victim, "--wait", "--timeout", "120", "--config", config)
+        assert out.returncode == 0, out.stderr
+        assert f"{victim}: drained; no kernel replica runs there" in out.stdout
+        record = kernel.refresh()
+        assert {r["node"] for r in record["replicas"]} == others
+        rids = tuple(r["id"] for r in record["replicas"])
+        eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids), 60, "the moved replica holding x")
+        ok(kernel, "x += 1")
+        assert assert_equal_namespaces(kernel, ["x"], rids)["x"].endswith("2")
+        units = cluster.agent(victim).call("GET", "/api/v1/units")[1]["units"]
+        assert not [u for u in units if u["kind"] == "kernel"], units
+        listing = {n["node"]: n for n in json.loads(gpuhub_cli("nodes", "--json", "--config", config).stdout)["nodes"]}
+        assert listing[victim]["drained"] and listing[victim]["kernel_replicas"] == 0
+        assert f"{victim}" in (line := next(x for x in gpuhub_cli("nodes", "--config", config).stdout.splitlines()
+                                            if x.startswith(victim))) and "drained" in line, line
+        second = ReplicatedKernel(cluster, gpus=1)  # three servers are left for its three replicas
+        try:
+            assert {r["node"] for r in second.record["replicas"]} == others
+        finally:
+            second.close()
+
+        out = gpuhub_cli("node", "undrain", victim, "--config", config)
+        assert out.returncode == 0 and f"{victim}: back in service" in out.stdout, out.stderr
+        listing = {n["node"]: n for n in json.loads(gpuhub_cli("nodes", "--json", "--config", config).stdout)["nodes"]}
+        assert not listing[victim]["drained"]
+        out = gpuhub_cli("node", "drain", "no-such-server", "--config", config)
+        assert out.returncode == 1 and "no server named 'no-such-server'" in out.stderr, out.stderr

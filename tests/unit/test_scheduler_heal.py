@@ -147,3 +147,41 @@ async def test_a_kernel_whose_units_exited_cleanly_is_forgotten_and_its_units_dr
     assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
     await s.reconcile()  # nothing left to adopt
     assert "k1" not in s.kernels and len(books.deleted) == 3
+
+
+async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_replica_at_a_time(tmp_path, monkeypatch):
+    s = scheduler_with(tmp_path, live=["a", "b", "c", "d", "e"], lost=[])
+    s.kernels["k1"] = record = kernel(["a", "b", "c"])
+    s.set_drained("a", True)
+    s.set_drained("b", True)
+    s.heartbeat({"node": "a", "url": "http://a.invalid", "gpu_count": 1})  # a heartbeat keeps the drain
+    assert {v.name for v in s.node_views() if v.schedulable} == {"c", "d", "e"}
+    started, stopped = [], []
+
+    async def start(rec, replica_id, node, key, cwd):
+        started.append(node)
+        return ReplicaRecord(node, f"gpuhub-kernel-k1-r{replica_id}", {}, id=replica_id)
+
+    async def stop(rep):
+        stopped.append(rep.node)
+
+    async def peers(rec):
+        return None
+
+    monkeypatch.setattr(s, "_start_replica", start)
+    monkeypatch.setattr(s, "_stop_replica", stop)
+    monkeypatch.setattr(s, "_send_peers", peers)
+    await s.heal()
+    # One replica per pass: the other two stay a majority while the newcomer catches up.
+    assert len(started) == 1 and stopped == ["a"] and started[0] in {"d", "e"}
+    await s.heal()
+    assert stopped == ["a", "b"] and set(started) == {"d", "e"}
+    assert {r.node for r in record.replicas} == {"c", "d", "e"}
+    await s.heal()
+    assert len(started) == 2  # nothing left to move
+
+    again = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=5), agent_token="t")
+    again.load()
+    assert again.nodes["a"].drained and again.nodes["b"].drained and not again.nodes["c"].drained
+    again.set_drained("a", False)
+    assert not again.nodes["a"].drained
