@@ -359,6 +359,16 @@ def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
 
     assert wait_for(scraped, 45, interval=3), f"expected these targets up: {expected}"
 
+    # alice's GPU cells above are in the agents' wait histogram, her kernel in the scheduler's.
+    def counted(expr: str):
+        r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query", params={"query": expr}, timeout=10)
+        r.raise_for_status()
+        result = r.json()["data"]["result"]
+        return result and float(result[0]["value"][1]) > 0
+
+    assert wait_for(lambda: counted("sum(gpuhub_agent_cell_gpu_wait_seconds_count)"), 45, interval=3)
+    assert wait_for(lambda: counted("gpuhub_scheduler_kernel_start_seconds_count"), 45, interval=3)
+
 
 # A webhook receiver for Alertmanager, on the monitoring host: appends "<path> <body>" per POST.
 WEBHOOK = r"""
