@@ -200,9 +200,16 @@ class Scheduler:
             self.counters["placement_failures"] += 1
             raise
         record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time(), cwd=cwd, key=key)
+        # The replicas start at once, each on its own server: a kernel starts in the time of the
+        # slowest unit start, not of all three in a row.
+        started_units = await asyncio.gather(
+            *(self._start_replica(record, i, node.name, key, cwd) for i, node in enumerate(chosen)),
+            return_exceptions=True)
+        record.replicas = [r for r in started_units if isinstance(r, ReplicaRecord)]
+        failed = next((r for r in started_units if isinstance(r, BaseException)), None)
         try:
-            for i, node in enumerate(chosen):
-                record.replicas.append(await self._start_replica(record, i, node.name, key, cwd))
+            if failed is not None:
+                raise failed
             # Only now are all addresses known: every replica learns the whole group.
             await self._send_peers(record)
         except ApiClientError:
