@@ -212,6 +212,10 @@ def restore(archive: Path, root: Path = Path("/"), check_services: bool = True) 
                               f"systemctl stop {' '.join(SERVICES)}")
     entries = [Entry.from_dict(d) for d in manifest["entries"]]
     ids = {e.path: _ids(e) for e in entries}  # every owner known before anything is written
+    # First: SQLite would apply the replaced database's side files to the restored one, even after a
+    # restore that stopped halfway.
+    for suffix in ("-wal", "-shm", "-journal"):
+        (root / (HUB_DB + suffix)).unlink(missing_ok=True)
     for e in sorted((e for e in entries if e.directory), key=lambda e: e.path.count("/")):
         d = root / e.path
         d.mkdir(parents=True, exist_ok=True)
@@ -232,7 +236,4 @@ def restore(archive: Path, root: Path = Path("/"), check_services: bool = True) 
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    # SQLite's side files of the replaced database would be applied to the restored one.
-    for suffix in ("-wal", "-shm", "-journal"):
-        (root / (HUB_DB + suffix)).unlink(missing_ok=True)
     return entries

@@ -385,8 +385,7 @@ class GpuhubKernel(IPythonKernel):
                             allow_stdin, cell_meta, cell_id) -> dict:
         """This replica runs the cell (elected, or under the lease)."""
         rep = self.replica
-        if grant is not None:  # reported when the lease goes back: what the user waited for the GPUs
-            grant.waited_s = time.monotonic() - self._cell_arrived
+        waited_s = time.monotonic() - self._cell_arrived  # until this replica held the GPUs
         self._show_startup_notice()
         # Every committed image is applied here before the cell runs (this replica may have
         # missed cells: the router skipped it, or it was stopped for a while).
@@ -396,6 +395,8 @@ class GpuhubKernel(IPythonKernel):
             return self._ended_without_result(rep.abort(
                 cell, attempt, "stale", "this replica could not load the kernel's variables",
                 self.shell.execution_count + 1))
+        if grant is not None:  # the cell runs under it: reported to the agent when the lease goes back
+            grant.waited_s = waited_s
         if rep.state.execution_count:
             self.shell.execution_count = rep.state.execution_count
         return await self._run_here(cell, attempt, grant, code, silent, store_history,

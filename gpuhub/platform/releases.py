@@ -9,6 +9,7 @@ outlives an upgrade (kernel replicas, users' notebook servers) is started from t
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -25,9 +26,17 @@ def release_of(venv: str | os.PathLike) -> Path:
 
 
 def release_name(prefix: str | os.PathLike | None = None) -> str:
-    """The release this Python runs from (its venv's directory name), "" outside a gpuhub release."""
-    path = Path(prefix or sys.prefix).resolve()
+    """The release ``prefix`` is (its directory name), "" if it is not a gpuhub release. Without a
+    prefix: the release this process runs from, looked up once (it cannot change under a process)."""
+    if prefix is None:
+        return _own_release()
+    path = Path(prefix).resolve()
     return path.name if (path / COMPLETE_MARKER).is_file() else ""
+
+
+@functools.cache
+def _own_release() -> str:
+    return release_name(sys.prefix)
 
 
 def pin(argv: list[str], env: dict[str, str], venv: str) -> tuple[list[str], dict[str, str]]:

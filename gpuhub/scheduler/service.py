@@ -295,8 +295,8 @@ class Scheduler:
             if lost:
                 await self._replace_lost(record, lost)
                 continue
-            # A drain moves one replica of a kernel at a time, and only a healthy kernel's: the
-            # others stay a majority while the newcomer catches up.
+            # A drain moves one replica of a kernel per pass, and only a kernel with nothing lost and
+            # its last group change sent, so each move is one membership change of a full group.
             draining = [r for r in record.replicas if self._drained(r.node)]
             if draining and not record.peers_pending:
                 await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")])

@@ -245,7 +245,7 @@ class KernelRouter:
         self._held_bytes = 0
         self._running: _Running | None = None
         self._last_execute: str | None = None  # the last execute_request forwarded to any replica
-        self._last_sent: set[int] = set()  # the replicas that got the last execute_request
+        self._last_sent: set[int] = set()  # the replicas that got the last execute_request (its sent_to)
         self._notes: OrderedDict[str, None] = OrderedDict()  # msg_ids of our dispatch notes
         self._open = False  # replicas are up: requests go through
         self._started_at = 0.0
@@ -664,7 +664,7 @@ class KernelRouter:
             self._running = _Running(msg_id, bool(content.get("silent", False)),
                                      bool(content.get("stop_on_error", True)), sent, msg.frames)
             left = self._last_sent - set(self._replicas)
-            self._last_sent = set(sent)
+            self._last_sent = sent  # the running cell's own set: a replica handed it late is added there
             if sent != set(self._replicas) or left:
                 # A lease holder that did not get the cell cannot run it: the others must know. That
                 # includes a holder that left the group since the last cell (its server was drained

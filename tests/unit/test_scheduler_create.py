@@ -7,35 +7,24 @@ import asyncio
 import pytest
 
 from gpuhub.platform.http_client import ApiClientError
-from gpuhub.scheduler.service import ReplicaRecord
-from tests.unit.test_scheduler_heal import scheduler_with
+from tests.unit.test_scheduler_heal import scheduler_with, stub_agents
 
 
-def starting(s, monkeypatch, fail_on: str | None = None):
+def starting(s, monkeypatch, fail_on: str | None = None) -> list[str]:
     """Stub the agents: each start waits until all three began (so only concurrent starts finish),
     the one on ``fail_on`` fails. Returns the list of stopped replicas' nodes."""
-    began, stopped = [], []
+    began = []
     all_began = asyncio.Event()
 
-    async def start(rec, replica_id, node, key, cwd):
+    async def hold(node):
         began.append(node)
         if len(began) == 3:
             all_began.set()
         await asyncio.wait_for(all_began.wait(), 5)
         if node == fail_on:
             raise ApiClientError(0, f"cannot reach {node}", node)
-        return ReplicaRecord(node, f"gpuhub-kernel-{rec.kernel_id}-r{replica_id}", {}, id=replica_id)
 
-    async def stop(rep):
-        stopped.append(rep.node)
-
-    async def peers(rec):
-        return None
-
-    monkeypatch.setattr(s, "_start_replica", start)
-    monkeypatch.setattr(s, "_stop_replica", stop)
-    monkeypatch.setattr(s, "_send_peers", peers)
-    return stopped
+    return stub_agents(s, monkeypatch, before_start=hold)[1]
 
 
 async def test_the_replicas_start_at_once(tmp_path, monkeypatch):

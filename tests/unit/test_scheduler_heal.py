@@ -20,6 +20,29 @@ def scheduler_with(tmp_path, live: list[str], lost: list[str]) -> Scheduler:
     return s
 
 
+def stub_agents(s: Scheduler, monkeypatch, before_start=None) -> tuple[list[str], list[str]]:
+    """The agents' side of starting and stopping replicas, recorded: (started nodes, stopped nodes).
+    ``before_start(node)``, awaited first, may hold or fail a start."""
+    started, stopped = [], []
+
+    async def start(rec, replica_id, node, key, cwd):
+        if before_start is not None:
+            await before_start(node)
+        started.append(node)
+        return ReplicaRecord(node, f"gpuhub-kernel-{rec.kernel_id}-r{replica_id}", {}, id=replica_id)
+
+    async def stop(rep):
+        stopped.append(rep.node)
+
+    async def peers(rec):
+        return None
+
+    monkeypatch.setattr(s, "_start_replica", start)
+    monkeypatch.setattr(s, "_stop_replica", stop)
+    monkeypatch.setattr(s, "_send_peers", peers)
+    return started, stopped
+
+
 def kernel(nodes: list[str], key: str = "secret-key") -> KernelRecord:
     return KernelRecord("k1", "alice", 1, [ReplicaRecord(n, f"gpuhub-kernel-k1-r{i}", {}, id=i)
                                            for i, n in enumerate(nodes)], key=key)
@@ -156,23 +179,9 @@ async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_repl
     s.set_drained("b", True)
     s.heartbeat({"node": "a", "url": "http://a.invalid", "gpu_count": 1})  # a heartbeat keeps the drain
     assert {v.name for v in s.node_views() if v.schedulable} == {"c", "d", "e"}
-    started, stopped = [], []
-
-    async def start(rec, replica_id, node, key, cwd):
-        started.append(node)
-        return ReplicaRecord(node, f"gpuhub-kernel-k1-r{replica_id}", {}, id=replica_id)
-
-    async def stop(rep):
-        stopped.append(rep.node)
-
-    async def peers(rec):
-        return None
-
-    monkeypatch.setattr(s, "_start_replica", start)
-    monkeypatch.setattr(s, "_stop_replica", stop)
-    monkeypatch.setattr(s, "_send_peers", peers)
+    started, stopped = stub_agents(s, monkeypatch)
     await s.heal()
-    # One replica per pass: the other two stay a majority while the newcomer catches up.
+    # One replica per pass: each move is one membership change of a full group.
     assert len(started) == 1 and stopped == ["a"] and started[0] in {"d", "e"}
     await s.heal()
     assert stopped == ["a", "b"] and set(started) == {"d", "e"}
