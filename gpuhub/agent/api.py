@@ -10,6 +10,7 @@ from tornado.web import Application
 
 from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.metrics import agent_registry
+from gpuhub.agent.quota_gate import QuotaRefused
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
 from gpuhub.platform.http_server import (
@@ -71,6 +72,7 @@ class UnitRequest(Body):
     gpus: int = 0
     cwd: str = ""
     argv: list = None  # servers only; start_unit checks it is a list of strings
+    quotas: dict = None  # kernels: the user's limits from the scheduler (gpuhub/agent/quota_gate.py)
 
     @field_validator("kind")
     @classmethod
@@ -111,6 +113,9 @@ class UnitsHandler(AgentHandler):
             )
         except (UnitError, LeaseError) as exc:
             raise ApiError(400, str(exc)) from None
+        if body.quotas is not None:
+            self.agent.quota_gate.merge(body.quotas)
+            self.agent.save()
         self.write_json(unit, 201)
 
 
@@ -223,6 +228,9 @@ class LeasesHandler(AgentHandler):
             lease = self.agent.grant(unit, gpus, pid)
         except LeaseError as exc:
             raise ApiError(400, str(exc)) from None
+        except QuotaRefused as exc:  # waiting will not help: the kernel ends the cell with this message
+            self.write_json({"error": str(exc), "quota": exc.limit}, 403)
+            return
         if lease is None:
             b = self.agent.book
             self.write_json(
@@ -255,6 +263,14 @@ class LeaseHandler(AgentHandler):
         self.write_json({"lease_id": lease_id, "released": released})
 
 
+class QuotaViewHandler(AgentHandler):
+    def get(self) -> None:
+        """What this agent enforces: the scheduler's last quota view and its own unreported usage."""
+        self.require_admin()
+        self.write_json({"view": self.agent.quota_gate.view, "unreported": self.agent.meter.to_dict(),
+                         "refusals": self.agent.quota_refusals})
+
+
 class MetricsHandler(AgentHandler):
     def initialize(self, agent: Agent, token: str) -> None:
         super().initialize(agent, token)
@@ -276,6 +292,7 @@ def make_app(agent: Agent, token: str) -> Application:
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/peers", PeersHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
+            (r"/api/v1/quota", QuotaViewHandler, args),
             (r"/metrics", MetricsHandler, args),
         ]
     )

@@ -28,6 +28,8 @@ class Lease:
     granted_at: float
     holder_pid: int | None = None
     expires_at: float | None = None  # None: lives until released or its holder dies
+    user: str = ""  # the holder's user and kernel: what quotas count (gpuhub/agent/quota_gate.py)
+    kernel_id: str = ""
 
     def to_dict(self) -> dict:
         return {
@@ -37,6 +39,8 @@ class Lease:
             "granted_at": self.granted_at,
             "holder_pid": self.holder_pid,
             "expires_at": self.expires_at,
+            "user": self.user,
+            "kernel_id": self.kernel_id,
         }
 
     @classmethod
@@ -48,6 +52,8 @@ class Lease:
             granted_at=d["granted_at"],
             holder_pid=d.get("holder_pid"),
             expires_at=d.get("expires_at"),
+            user=d.get("user", ""),
+            kernel_id=d.get("kernel_id", ""),
         )
 
 
@@ -97,6 +103,8 @@ class LeaseBook:
         now: float,
         holder_pid: int | None = None,
         ttl_s: float | None = None,
+        user: str = "",
+        kernel_id: str = "",
     ) -> Lease | None:
         """Grant ``n`` GPUs now, or return None if they are not all free."""
         if n < 0:
@@ -115,6 +123,8 @@ class LeaseBook:
             granted_at=now,
             holder_pid=holder_pid,
             expires_at=None if ttl_s is None else now + ttl_s,
+            user=user,
+            kernel_id=kernel_id,
         )
         self.leases[lease_id] = lease
         return lease

@@ -24,7 +24,8 @@ async def heartbeat_loop(agent: Agent, token: str) -> None:
     failing = False
     while True:
         try:
-            await call_json("POST", url, token, agent.node_info(), timeout=5)
+            _, answer = await call_json("POST", url, token, agent.heartbeat_body(), timeout=5)
+            agent.heartbeat_answered(answer)
             if failing:
                 log.info("scheduler reachable again")
             failing = False

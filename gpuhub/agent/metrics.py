@@ -47,6 +47,11 @@ class AgentCollector:
             c = CounterMetricFamily(f"gpuhub_agent_leases_{key}", f"GPU lease requests {key}", labels=["node"])
             c.add_metric([node], a.counters[key])
             yield c
+        c = CounterMetricFamily("gpuhub_agent_quota_refusals", "GPU lease requests refused by a quota",
+                                labels=["node", "limit"])
+        for limit, n in a.quota_refusals.items():
+            c.add_metric([node, limit], n)
+        yield c
         yield from a.cell_gpu_wait.collect()
         busy = a.book.busy
         label_names = ["node", "gpu", "uuid"]

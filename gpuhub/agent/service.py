@@ -22,6 +22,7 @@ from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
 from gpuhub.agent.metrics import cell_gpu_wait_histogram
 from gpuhub.agent.ports import kernel_connection, ports_taken
+from gpuhub.agent.quota_gate import QuotaGate, QuotaRefused, UsageMeter
 from gpuhub.agent.records import (
     CONNECTION_FILE,
     PEERS_FILE,
@@ -67,6 +68,9 @@ class Agent:
         self.store = JsonStore(self.state_path, durable=False)
         self.journals = Journals(config.state_dir)
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
+        self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
+        self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
+        self.quota_gate = QuotaGate()
         self.cell_gpu_wait = cell_gpu_wait_histogram()
         self.cell_gpu_wait.labels(config.node_name)  # exported from 0 on, so rate() sees the first cell
         self._gpu_cache: tuple[float, list] = (0.0, [])
@@ -77,6 +81,8 @@ class Agent:
             "node": self.config.node_name,
             "units": {n: asdict(u) for n, u in self.units.items()},
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
+            "usage": self.meter.to_dict(),
+            "quota_view": self.quota_gate.view,
         })
 
     async def recover(self) -> None:
@@ -97,7 +103,11 @@ class Agent:
         if self.config.unit_backend == "systemd":
             self.journals.open_parents()
         for lease in live_leases(data.get("leases", []), self.units):
+            lease.user = lease.user or self.units[lease.holder].user  # leases saved before quotas
+            lease.kernel_id = lease.kernel_id or self.units[lease.holder].kernel_id
             self.book.leases[lease.lease_id] = lease
+        self.meter = UsageMeter.from_dict(data.get("usage"))
+        self.quota_gate.update(data.get("quota_view"))  # enforced from the start, not the next heartbeat
         for u in self.units.values():
             if u.kind == "kernel":
                 self.book.place(u.name, u.gpus)
@@ -268,7 +278,7 @@ class Agent:
     def _forget(self, name: str) -> None:
         self.units.pop(name, None)
         self.book.unplace(name)
-        self.book.release_holder(name)
+        self._ended(self.book.release_holder(name))
         self._leases_changed()
 
     async def unit_status(self, name: str, with_error: bool = False) -> dict | None:
@@ -316,6 +326,8 @@ class Agent:
         return None
 
     def grant(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
+        """GPUs for one cell of ``unit`` now, or None when they are not free. QuotaRefused when the
+        grant would take the unit's user past a limit (gpuhub/agent/quota_gate.py)."""
         if gpus > unit.gpus:
             raise LeaseError(f"{unit.name} was placed with {unit.gpus} GPU(s) per cell; it asked for {gpus}")
         # One lease per unit. A replica runs one cell at a time and gives its lease back before it
@@ -323,10 +335,17 @@ class Agent:
         # never added to: user code can read the unit's lease token, and must not collect GPUs
         # beyond the kernel's placement with it.
         for old in [le for le in self.book.leases.values() if le.holder == unit.name]:
-            self.book.release(old.lease_id)
+            self._ended([self.book.release(old.lease_id)])
             self.counters["released"] += 1
             log.warning("%s asked for a lease while holding %s; that one is released", unit.name, old.lease_id)
-        lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid)
+        try:
+            self.quota_gate.check(unit.user, unit.kernel_id, gpus, self.book.leases.values(), self.meter)
+        except QuotaRefused as exc:
+            self.quota_refusals[exc.limit] += 1
+            log.info("%s: no lease for %s's cell: %s", unit.name, unit.user, exc)
+            raise
+        lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid, user=unit.user,
+                                kernel_id=unit.kernel_id)
         self.counters["granted" if lease else "refused"] += 1
         if lease:
             self._leases_changed()
@@ -339,13 +358,38 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False  # idempotent; and a unit can only release its own leases
-        self.book.release(lease_id)
+        self._ended([self.book.release(lease_id)])
         self.counters["released"] += 1
         if waited_s is not None:
             self.cell_gpu_wait.labels(self.config.node_name).observe(waited_s)
         self._leases_changed()
         self.save()
         return True
+
+    def _ended(self, leases: list[Lease], now: float | None = None) -> None:
+        """Leases that ended: what they held counts towards their users' GPU-hours."""
+        now = time.time() if now is None else now
+        for lease in leases:
+            self.meter.record(lease.user, len(lease.gpus), lease.granted_at, now)
+
+    def heartbeat_body(self) -> dict:
+        """What the agent tells the scheduler every few seconds: node_info, and the GPU-seconds of
+        ended leases it has not acknowledged yet."""
+        body = self.node_info()
+        usage = self.meter.batch()
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def heartbeat_answered(self, answer: object) -> None:
+        """The scheduler's answer: which usage batch it has, and the quotas of this server's users."""
+        if not isinstance(answer, dict):
+            return
+        if "usage_ack" in answer:
+            self.meter.acked(answer["usage_ack"])
+            self.save()
+        if "quotas" in answer:
+            self.quota_gate.update(answer["quotas"])
 
     def gpu_uuids(self, lease: Lease) -> list[dict]:
         gpus = self.gpus()
@@ -361,6 +405,7 @@ class Agent:
             time.time(), lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
         )
         if gone:
+            self._ended(gone)
             self.counters["expired"] += len(gone)
             for lease in gone:
                 log.warning("lease %s of %s expired (holder gone)", lease.lease_id, lease.holder)

@@ -170,7 +170,7 @@ def current_user() -> str:
 
 class SchedulerProcess:
     def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
-                 replica_dead_grace_s: float = 10) -> None:
+                 replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
@@ -187,6 +187,7 @@ class SchedulerProcess:
             "agent_token_file": str(self.dir / "secrets" / "agent.token"),
             "state_dir": str(self.dir / "state"), "node_timeout_s": float(node_timeout_s), "hub_api_url": "",
             "replica_dead_grace_s": float(replica_dead_grace_s), "static_user_tokens": dict(user_tokens),
+            **(settings or {}),
         }))
 
     def start(self) -> SchedulerProcess:
@@ -207,8 +208,10 @@ class DevCluster:
     """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1."""
 
     def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
-                 node_timeout_s: float = 10, replica_dead_grace_s: float = 10) -> None:
+                 node_timeout_s: float = 10, replica_dead_grace_s: float = 10,
+                 scheduler_settings: dict | None = None) -> None:
         self.tmp = Path(tmp)
+        self.scheduler_settings = scheduler_settings  # more keys of scheduler.toml (quotas, …)
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
         self.node_timeout_s = node_timeout_s  # no heartbeat this long: the scheduler counts the node lost
@@ -220,7 +223,8 @@ class DevCluster:
 
     def start(self, timeout_s: float = 30) -> DevCluster:
         self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
-                                          self.node_timeout_s, self.replica_dead_grace_s).start()
+                                          self.node_timeout_s, self.replica_dead_grace_s,
+                                          self.scheduler_settings).start()
         for i in range(self.nodes):
             token_file = self.tmp / f"sched-{i}.token"
             token_file.write_text(self.scheduler.token)

@@ -35,7 +35,7 @@ from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
 log = logging.getLogger("gpuhub.kernel")
 ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "interrupted": "KeyboardInterrupt",
-               "majority-lost": "ReplicasUnavailable"}
+               "majority-lost": "ReplicasUnavailable", "quota": "GpuQuotaExceeded"}
 
 
 def _child_phases(forking: float, marks: dict[str, float], received: float) -> dict[str, float]:
@@ -73,6 +73,7 @@ class GpuhubKernel(IPythonKernel):
         self.gpus = int(os.environ.get("GPUHUB_KERNEL_GPUS", "0") or 0)
         self.grant_timeout_s = float(os.environ.get("GPUHUB_GRANT_TIMEOUT_S", "300"))
         self.lease_client = None
+        self._quota_refusal: str | None = None  # the agent's words when a quota refused the last ask
         if self.gpus > 0:
             # GPU kernels only: CPU cells need no lease, and its HTTP client (urllib3) would cost
             # every replica's start ~30 ms of CPU (as gpuhub.kernel.child costs ~10 ms).
@@ -238,6 +239,9 @@ class GpuhubKernel(IPythonKernel):
             if decision.executor is not None:
                 return self._follow(rep.wait_for_end(cell, decision.executor, self.shell.execution_count + 1),
                                     code, store_history, silent)
+            if self._quota_refusal is not None:  # no replica can run it, and this one's agent said why
+                return self._ended_without_result(
+                    rep.abort(cell, attempt, "quota", self._quota_refusal, self.shell.execution_count + 1))
             # Every replica's server is busy. Until migration exists, wait (bounded) and say so.
             waited = time.monotonic() - started
             if self._interrupted.is_set() or waited >= self.grant_timeout_s:
@@ -369,14 +373,20 @@ class GpuhubKernel(IPythonKernel):
             self._unfinished = None
 
     def _try_grant(self):
+        """The kernel's GPUs from this replica's agent now, or None. A quota refusal is kept in
+        ``_quota_refusal``: if no replica gets the GPUs, the cell ends with it (never a silent wait)."""
+        self._quota_refusal = None
         if self.gpus == 0:
             return None
         if self.lease_client is None:
             return None
-        from gpuhub.kernel.lease_client import LeaseError
+        from gpuhub.kernel.lease_client import LeaseError, QuotaExceeded
 
         try:
             return self.lease_client.try_grant(self.gpus)
+        except QuotaExceeded as exc:
+            self._quota_refusal = str(exc)
+            return None
         except LeaseError as exc:
             log.warning("asking the agent for GPUs failed: %s", exc)
             return None

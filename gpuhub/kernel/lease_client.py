@@ -20,6 +20,11 @@ class LeaseError(RuntimeError):
     """The agent could not be asked, or refused for a reason waiting will not fix."""
 
 
+class QuotaExceeded(RuntimeError):
+    """The agent refused because the grant would take the user past a GPU quota; the message says
+    which, in words for the notebook (gpuhub/agent/quota_gate.py)."""
+
+
 @dataclass
 class Lease:
     lease_id: str
@@ -63,6 +68,8 @@ class LeaseClient:
             return Lease(body["lease_id"], body.get("node", self.node), [g["uuid"] for g in body["gpus"]])
         if status == 409:
             return None
+        if status == 403 and body.get("quota"):
+            raise QuotaExceeded(str(body.get("error", "over the GPU quota")))
         raise LeaseError(f"the GPU agent refused the lease: {body.get('error', status)}")
 
     def release(self, grant: Lease) -> None:

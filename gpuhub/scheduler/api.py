@@ -53,10 +53,10 @@ class HeartbeatHandler(SchedulerHandler):
     def post(self) -> None:
         self.require_admin()
         try:
-            self.scheduler.heartbeat(self.json_body())
+            answer = self.scheduler.heartbeat(self.json_body())
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        self.write_json({"ok": True})
+        self.write_json(answer)
 
 
 class NodesHandler(SchedulerHandler):
@@ -155,6 +155,47 @@ class KernelHandler(SchedulerHandler):
         self.write_json({"stopped": kernel_id})
 
 
+class QuotasHandler(SchedulerHandler):
+    async def get(self) -> None:
+        """Admins: every user's GPU-hours this week and limits; a user (their JupyterHub token): their own."""
+        if self.is_admin():
+            self.write_json({"users": self.scheduler.quota_statuses()})
+            return
+        user = await self.require_user()
+        self.write_json({"users": [self.scheduler.quota_status(user)]})
+
+
+class QuotaHandler(SchedulerHandler):
+    async def get(self, user: str) -> None:
+        if not self.is_admin() and await self.require_user() != user:
+            raise ApiError(403, "a user may see their own quota only")
+        self.write_json(self.scheduler.quota_status(user))
+
+
+# An admin's grant at once: more than a year of one GPU is a typo, not a grant.
+MAX_EXTRA_GPU_HOURS = 10_000.0
+
+
+class ExtraHoursRequest(Body):
+    """POST /api/v1/quota/<user>/extra: GPU-hours added to the user's limits this week."""
+
+    gpu_hours: float
+
+    @field_validator("gpu_hours")
+    @classmethod
+    def _hours(cls, v: float) -> float:
+        if not 0 < v <= MAX_EXTRA_GPU_HOURS:  # also NaN
+            raise invalid(f"field 'gpu_hours' must be more than 0 and at most {MAX_EXTRA_GPU_HOURS:g}, not {v}")
+        return v
+
+
+class QuotaExtraHandler(SchedulerHandler):
+    def post(self, user: str) -> None:
+        self.require_admin()
+        body = self.parse_body(ExtraHoursRequest)
+        self.write_json(self.scheduler.grant_extra_hours(user, body.gpu_hours))
+
+
 class MetricsHandler(SchedulerHandler):
     def get(self) -> None:
         self.require_admin()
@@ -170,5 +211,8 @@ def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Applic
         (r"/api/v1/nodes/([A-Za-z0-9_.-]+)/drain", NodeDrainHandler, args),
         (r"/api/v1/kernels", KernelsHandler, args),
         (r"/api/v1/kernels/([a-z0-9-]+)", KernelHandler, args),
+        (r"/api/v1/quota", QuotasHandler, args),
+        (r"/api/v1/quota/([^/]{1,255})", QuotaHandler, args),
+        (r"/api/v1/quota/([^/]{1,255})/extra", QuotaExtraHandler, args),
         (r"/metrics", MetricsHandler, args),
     ])

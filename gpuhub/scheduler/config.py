@@ -24,6 +24,13 @@ class SchedulerConfig(Configurable):
     node_timeout_s = Float(30.0, config=True, help="A node with no heartbeat this long is counted lost.")
     replica_dead_grace_s = Float(10.0, min=0.0, config=True,
                                  help="A replica whose unit has been dead this long on a live node is replaced.")
+    quota_default = Dict(config=True,
+                         help="Limits for every user without an entry in quota_users, e.g. {gpus = 2, "
+                              "gpu_hours_per_week = 30}; empty: none (docs/quotas.md).")
+    quota_users = Dict(config=True, help="Per-user limits: user -> {gpus, gpu_hours_per_week}; replaces the default.")
+    quota_groups = Dict(config=True,
+                        help="Shared limits: group -> {members = [...], gpus, gpu_hours_per_week}; each applies "
+                             "to the sum of its members' use.")
     static_user_tokens = Dict(Unicode(), config=True,
                               help="Development only: fixed user tokens (token -> user name) instead of asking "
                                    "JupyterHub.")

@@ -8,10 +8,12 @@ import sys
 
 from traitlets import Unicode
 
+from gpuhub.platform.config import ConfigError
 from gpuhub.platform.daemon import Daemon
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.config import SchedulerConfig
+from gpuhub.scheduler.quotas import QuotaConfigError
 from gpuhub.scheduler.service import Scheduler
 
 log = logging.getLogger("gpuhub.scheduler")
@@ -52,7 +54,10 @@ class SchedulerDaemon(Daemon):
         return {"scheduler": self.settings.token_file, "agent": self.settings.agent_token_file}
 
     def init_service(self) -> None:
-        self.scheduler = Scheduler(self.settings, self.secrets["agent"])
+        try:
+            self.scheduler = Scheduler(self.settings, self.secrets["agent"])
+        except QuotaConfigError as exc:
+            raise ConfigError(f"{self.config_file}: {exc}") from None
 
     async def prepare(self) -> None:
         self.scheduler.load()

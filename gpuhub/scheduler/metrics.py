@@ -47,10 +47,26 @@ class SchedulerCollector:
         g.add_metric(["committed"], sum(v.committed for v in views))
         g.add_metric(["reserved"], reserved)
         yield g
+        yield from quota_metrics(s)
         g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio",
                               "Each kernel's GPUs once over all GPUs (= pending / (GPUs x R) with R replicas each)")
         g.add_metric([], reserved / total if total else 0.0)
         yield g
+
+
+def quota_metrics(s):
+    """Each user's GPU-hours this week (ended leases and live ones so far) and their own limit."""
+    used = GaugeMetricFamily("gpuhub_user_gpu_hours_week", "GPU-hours a user's cells held this week "
+                             "(Monday 00:00 UTC on)", labels=["user"])
+    limit = GaugeMetricFamily("gpuhub_user_gpu_hours_limit", "A user's own weekly GPU-hour limit, extra hours "
+                              "included (users without one: absent)", labels=["user"])
+    for st in s.quota_statuses():
+        used.add_metric([st["user"]], st["gpu_hours_used"])
+        own = next((lim for lim in st["limits"] if lim["kind"] == "user"), None)
+        if own and own["gpu_hours"] is not None:
+            limit.add_metric([st["user"]], own["gpu_hours"])
+    yield used
+    yield limit
 
 
 def scheduler_registry(scheduler) -> CollectorRegistry:

@@ -18,6 +18,7 @@ from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.metrics import kernel_start_histogram
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
+from gpuhub.scheduler.quotas import LiveLease, QuotaPolicy, Quotas, UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Scheduler:
         self.kernel_start = kernel_start_histogram()
         self.started = time.time()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
+        # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
+        self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
 
     # --- books -----------------------------------------------------------------
     def save(self) -> None:
@@ -118,6 +121,7 @@ class Scheduler:
             "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen, "drained": r.drained}
                       for n, r in self.nodes.items()},
             "kernels": {k: r.books() for k, r in self.kernels.items()},
+            "usage": self.quotas.ledger.to_dict(),
         }
         self.store.save(data)
 
@@ -134,18 +138,66 @@ class Scheduler:
         for kid, k in data.get("kernels", {}).items():
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
             self.kernels[kid] = KernelRecord(**k, replicas=reps)
+        self.quotas.ledger = UsageLedger.from_dict(data.get("usage", {}))
 
     # --- nodes -----------------------------------------------------------------
-    def heartbeat(self, info: dict) -> None:
+    def heartbeat(self, info: dict) -> dict:
+        """A server's heartbeat: its state, and the GPU-seconds its ended leases held. Answers with
+        the usage batch it now has and the quotas of the users with kernels there."""
         name, url = info.get("node"), info.get("url")
         if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
             raise ValueError("a heartbeat needs 'node' and 'url'")
+        info = dict(info)
+        usage = info.pop("usage", None)
+        answer: dict = {"ok": True}
+        if usage is not None:
+            answer["usage_ack"] = self.quotas.ledger.apply(name, usage)  # ValueError: malformed
         known = self.nodes.get(name)
         fresh = known is None
-        self.nodes[name] = NodeRecord(name, url, info, time.time(), drained=bool(known and known.drained))
+        now = time.time()
+        self.nodes[name] = NodeRecord(name, url, info, now, drained=bool(known and known.drained))
         if fresh:
             log.info("node %s registered (%s GPU(s)) at %s", name, info.get("gpu_count"), url)
-            self.save()
+        if fresh or usage is not None:
+            self.quotas.ledger.prune(now)
+            self.save()  # before the answer: an acknowledged batch is in the books
+        if self.quotas.policy.enabled:
+            users = {k.user for k in self.kernels.values() if any(r.node == name for r in k.replicas)}
+            answer["quotas"] = self.quotas.node_view(name, users, now, self.live_leases())
+        return answer
+
+    def live_leases(self) -> list[LiveLease]:
+        """Every GPU lease the live servers reported in their last heartbeats, with its user."""
+        out = []
+        for rec in self.nodes.values():
+            if not self.live(rec):
+                continue
+            for le in rec.info.get("leases") or ():
+                try:
+                    kernel_id = le.get("kernel_id") or ""
+                    user = le.get("user") or ""
+                    if not user:  # an agent from before quotas: the user from the kernel's books
+                        m = re.match(r"^gpuhub-kernel-(.+)-r\d+$", str(le.get("holder", "")))
+                        kernel_id = m.group(1) if m else ""
+                        user = self.kernels[kernel_id].user if kernel_id in self.kernels else ""
+                    out.append(LiveLease(rec.name, user, kernel_id, len(le["gpus"]), float(le["granted_at"])))
+                except (AttributeError, KeyError, TypeError, ValueError):
+                    continue  # not a lease; the agent's own view is what counts for its GPUs
+        return out
+
+    def quota_status(self, user: str) -> dict:
+        return self.quotas.status(user, time.time(), self.live_leases())
+
+    def quota_statuses(self) -> list[dict]:
+        now, leases = time.time(), self.live_leases()
+        owners = {k.user for k in self.kernels.values()}
+        return [self.quotas.status(u, now, leases) for u in self.quotas.users(now, leases, owners)]
+
+    def grant_extra_hours(self, user: str, hours: float) -> dict:
+        total = self.quotas.ledger.add_extra(user, hours, time.time())
+        self.save()
+        log.info("%g extra GPU-hour(s) for %s this week (%g in all)", hours, user, total)
+        return self.quota_status(user)
 
     def set_drained(self, name: str, drained: bool) -> NodeRecord:
         """Drain a server (no new replicas; heal moves its replicas away, one per kernel at a time)
@@ -228,11 +280,13 @@ class Scheduler:
                              cwd: str) -> ReplicaRecord:
         """Start one replica unit; its peers come later (:meth:`_send_peers`)."""
         unit = replica_unit(record.kernel_id, replica_id)
-        _, started = await call_json(
-            "POST", self.nodes[node].url + "/api/v1/units", self.agent_token,
-            {"name": unit, "kind": "kernel", "user": record.user, "gpus": record.gpus, "cwd": cwd,
-             "kernel": {"key": key, "kernel_id": record.kernel_id, "replica_id": replica_id}},
-        )
+        body = {"name": unit, "kind": "kernel", "user": record.user, "gpus": record.gpus, "cwd": cwd,
+                "kernel": {"key": key, "kernel_id": record.kernel_id, "replica_id": replica_id}}
+        if self.quotas.policy.enabled and record.gpus:
+            # The user's limits go with the unit: its agent enforces them from the first cell on,
+            # not from its next heartbeat (a new kernel per cell must not escape a quota).
+            body["quotas"] = self.quotas.node_view(node, {record.user}, time.time(), self.live_leases())
+        _, started = await call_json("POST", self.nodes[node].url + "/api/v1/units", self.agent_token, body)
         # Count it now so the next placement sees it before the next heartbeat.
         self.nodes[node].info["pending"] = int(self.nodes[node].info.get("pending", 0)) + record.gpus
         return ReplicaRecord(node, unit, started.get("connection"), id=replica_id,

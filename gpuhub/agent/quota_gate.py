@@ -1,0 +1,152 @@
+"""The agent's side of GPU quotas (docs/quotas.md): it meters what its leases held and refuses a
+grant that would take a user past a limit.
+
+Grants are decided here, so quotas are enforced here. What a user uses on other servers comes from
+the scheduler's answer to this agent's last heartbeat (gpuhub/scheduler/quotas.py); what they use
+here is counted locally, so a user's own cells on this server are seen at once. Without an answer
+yet (the scheduler was never reached since this agent started) no quota is enforced: GPUs are never
+held back because the books are out of reach.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from gpuhub.platform.weeks import RESETS, split_by_week, week_key, week_start
+
+
+def hours_text(hours: float) -> str:
+    """GPU-hours as a user reads them: one decimal (``29.5``), two significant digits below 0.1."""
+    return f"{hours:.1f}" if hours >= 0.1 or hours == 0 else f"{hours:.2g}"
+
+
+class QuotaRefused(Exception):
+    """A grant past a limit: the message is what the notebook shows."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit  # "gpus" or "gpu_hours": the metric's label
+
+
+class UsageMeter:
+    """GPU-seconds of this server's ended leases, per week and user, until the scheduler acknowledges
+    them. Each heartbeat carries one batch with a sequence number; the batch is sent again, unchanged,
+    until it is acknowledged, so a lost answer never counts it twice."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, float]] = {}
+        self.inflight: dict | None = None
+        # Above any number an earlier run of this agent used, even if its state file was lost.
+        self.next_seq = time.time_ns() // 1000
+
+    def record(self, user: str, gpus: int, start: float, end: float) -> None:
+        if not user or gpus <= 0 or end <= start:
+            return
+        for week, seconds in split_by_week(start, end):
+            book = self.pending.setdefault(week, {})
+            book[user] = book.get(user, 0.0) + gpus * seconds
+
+    def batch(self) -> dict | None:
+        """What the next heartbeat reports (None: nothing)."""
+        if self.inflight is None and self.pending:
+            self.inflight = {"seq": self.next_seq, "weeks": self.pending}
+            self.next_seq += 1
+            self.pending = {}
+        return self.inflight
+
+    def acked(self, seq: object) -> None:
+        if self.inflight is not None and seq == self.inflight["seq"]:
+            self.inflight = None
+
+    def unreported_s(self, members: set[str], week: str) -> float:
+        total = 0.0
+        for weeks in (self.pending, (self.inflight or {}).get("weeks", {})):
+            total += sum(s for u, s in weeks.get(week, {}).items() if u in members)
+        return total
+
+    def to_dict(self) -> dict:
+        return {"pending": self.pending, "inflight": self.inflight, "next_seq": self.next_seq}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> UsageMeter:
+        meter = cls()
+        if data:
+            meter.pending = data.get("pending") or {}
+            meter.inflight = data.get("inflight")
+            meter.next_seq = max(meter.next_seq, int(data.get("next_seq", 0)))
+        return meter
+
+
+def _is_view(view: object) -> bool:
+    return (isinstance(view, dict) and isinstance(view.get("week"), str) and isinstance(view.get("limits"), list)
+            and all(isinstance(lim, dict) for lim in view["limits"])
+            and isinstance(view.get("extra_hours", {}), dict))
+
+
+class QuotaGate:
+    """Decides whether a grant fits every limit of its user, from the scheduler's last view plus
+    this server's own leases and unreported usage."""
+
+    def __init__(self) -> None:
+        self.view: dict | None = None
+
+    def update(self, view: object) -> None:
+        """The ``quotas`` part of the scheduler's heartbeat answer (ignored if it is not one)."""
+        if _is_view(view):
+            self.view = view
+
+    def merge(self, view: object) -> None:
+        """A new kernel's user's limits, sent with its unit: added to (or replacing, by name) those
+        known, until the next heartbeat's answer brings them all."""
+        if not _is_view(view):
+            return
+        if self.view is None or self.view["week"] != view["week"]:
+            self.view = view
+            return
+        limits = {lim.get("name"): lim for lim in self.view["limits"]}
+        limits.update({lim.get("name"): lim for lim in view["limits"]})
+        extra = {**self.view.get("extra_hours", {}), **view.get("extra_hours", {})}
+        self.view = {**self.view, "limits": list(limits.values()), "extra_hours": extra}
+
+    def check(self, user: str, kernel_id: str, gpus: int, leases: Iterable, meter: UsageMeter,
+              now: float | None = None) -> None:
+        """Raise QuotaRefused if ``gpus`` more GPUs for ``user``'s kernel ``kernel_id`` would pass a
+        limit. ``leases``: this server's live leases (with ``user``, ``kernel_id``, ``gpus``,
+        ``granted_at``); the asking kernel's own never count against it (it runs one cell at a time)."""
+        view = self.view
+        if view is None or gpus <= 0:
+            return
+        now = time.time() if now is None else now
+        week, start = week_key(now), week_start(now)
+        current = view["week"] == week  # else the week turned since the last answer: its hours are 0
+        leases = list(leases)
+        for lim in view["limits"]:
+            members = set(lim.get("members") or ())
+            if user not in members:
+                continue
+            group = lim.get("kind") == "group"
+            if lim.get("gpu_hours") is not None:
+                hours = lim["gpu_hours"] + (view.get("extra_hours", {}).get(user, 0.0) if current else 0.0)
+                used = (lim.get("used_s", 0.0) if current else 0.0) + meter.unreported_s(members, week)
+                used += sum(le.gpus * max(0.0, now - max(le.granted_at, start))
+                            for le in leases if le.user in members)
+                if used >= hours * 3600:
+                    who = f"{lim['name']} used" if group else "used"
+                    its = "its " if group else ""
+                    raise QuotaRefused(f"{who} {hours_text(used / 3600)} of {its}{hours:g} GPU-hours this week; "
+                                       f"resets {RESETS}", "gpu_hours")
+            if lim.get("gpus") is not None:
+                cap = lim["gpus"]
+                held = sum(g for k, g in (lim.get("held_elsewhere") or {}).items() if k != kernel_id)
+                held += sum(le.gpus for le in leases if le.user in members and le.kernel_id != kernel_id)
+                if held + gpus > cap:
+                    whose = f"{lim['name']}" if group else "you"
+                    if gpus > cap:
+                        msg = (f"this kernel asks for {gpus} GPU(s) per cell, more than the {cap} "
+                               f"{whose} may hold at once")
+                    else:
+                        msg = (f"this cell needs {gpus} GPU(s), and {whose} already hold{'s' if group else ''} "
+                               f"{held} of {'its' if group else 'your'} {cap} at once in other kernels; "
+                               "it can run when one of their cells ends")
+                    raise QuotaRefused(msg, "gpus")

@@ -1,0 +1,134 @@
+"""GPU quotas on a development cluster (docs/quotas.md): the agents refuse a cell past its user's
+limit with the words the notebook shows, at once and without a wait; usage is counted from the
+leases and reaches the scheduler's books; an admin's extra hours let the next cell run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
+from tests.helpers import wait_for
+from tests.integration.test_gpu_cells import run, wait_for_output
+
+# Two seconds of one GPU: a cell that sleeps 2.5 s uses it up.
+TINY_HOURS = 2 / 3600
+
+
+def quota_view(agent) -> dict:
+    return agent.call("GET", "/api/v1/quota")[1]
+
+
+def every_agent(cluster: DevCluster, predicate) -> bool:
+    return all(predicate(quota_view(a)) for a in cluster.agents)
+
+
+def own_limit(view: dict | None, user: str) -> dict:
+    return next(lim for lim in (view or {}).get("limits", []) if lim["kind"] == "user" and user in lim["members"])
+
+
+@pytest.fixture
+def cluster(request, tmp_path):
+    c = DevCluster(tmp_path, nodes=3, gpus_per_node=2,
+                   scheduler_settings={"quota_users": {current_user(): request.param}}).start()
+    yield c
+    c.stop()
+
+
+@pytest.mark.parametrize("cluster", [{"gpus": 1}], indirect=True)
+def test_a_kernel_larger_than_the_gpu_limit_is_told_so_at_its_first_cell(cluster):
+    k = DevKernel(cluster, gpus=2)
+    try:
+        started = time.monotonic()
+        reply, out = run(k.kc, "x = 1")
+        assert time.monotonic() - started < 20  # no wait for a grant timeout
+        assert reply["status"] == "error" and reply["ename"] == "GpuQuotaExceeded"
+        assert "this kernel asks for 2 GPU(s) per cell, more than the 1 you may hold at once" in reply["evalue"]
+        assert out["errors"] == ["GpuQuotaExceeded"]
+        reply, out = run(k.kc, "print('x' in dir())")
+        assert reply["status"] == "error"  # the kernel never gets the GPUs; and nothing ran
+        assert sum(quota_view(a)["refusals"]["gpus"] for a in cluster.agents) >= 2
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("cluster", [{"gpus": 1}], indirect=True)
+def test_a_cell_past_the_gpus_at_once_is_refused_while_another_kernel_holds_one(cluster):
+    user = current_user()
+    busy, other = DevKernel(cluster, gpus=1), DevKernel(cluster, gpus=1)
+    try:
+        assert run(other.kc, "y = 1")[0]["status"] == "ok"
+        msg_id = busy.kc.execute("import time; print('holding', flush=True); time.sleep(600)")
+        wait_for_output(busy.kc, msg_id, "holding")
+        # Every agent knows: the holder's own agent from its lease, the others from the scheduler's
+        # answer to their heartbeats (the holder's heartbeat shows the lease).
+        wait_for(lambda: all(held_seen(a, user) for a in cluster.agents), timeout=30,
+                 what="every agent to see the held GPU")
+        reply, _ = run(other.kc, "y = 2")
+        assert reply["status"] == "error" and reply["ename"] == "GpuQuotaExceeded"
+        assert "already hold 1 of your 1 at once in other kernels" in reply["evalue"]
+    finally:
+        busy.close()
+        other.close()
+
+
+def held_seen(agent, user: str) -> int:
+    """GPUs the user holds as this agent sees them: its own leases and those the scheduler reported."""
+    elsewhere = sum(own_limit(quota_view(agent)["view"], user)["held_elsewhere"].values())
+    return elsewhere + sum(len(le["gpus"]) for le in agent.call("GET", "/api/v1/node")[1]["leases"])
+
+
+@pytest.mark.parametrize("cluster", [{"gpu_hours_per_week": TINY_HOURS}], indirect=True)
+def test_gpu_hours_are_counted_refused_past_the_limit_and_extra_hours_let_the_next_cell_run(cluster):
+    user = current_user()
+    k = DevKernel(cluster, gpus=1)
+    try:
+        reply, _ = run(k.kc, "import time; x = 1; time.sleep(2.5)")
+        assert reply["status"] == "ok"
+        # The lease's 2.5 s reach the scheduler's books, and every agent's view (one heartbeat later).
+        wait_for(lambda: cluster.scheduler_call("GET", f"/api/v1/quota/{user}")[1]["gpu_hours_used"] >= 2.5 / 3600,
+                 timeout=30, what="the scheduler to count the cell's GPU time")
+        wait_for(lambda: every_agent(cluster, lambda v: own_limit(v["view"], user)["used_s"] >= 2.5
+                                     or _unreported(v, user) >= 2.5),
+                 timeout=30, what="every agent to see the GPU time used")
+        started = time.monotonic()
+        reply, out = run(k.kc, "x = 2")
+        assert time.monotonic() - started < 20
+        assert reply["status"] == "error" and reply["ename"] == "GpuQuotaExceeded"
+        assert f"of {TINY_HOURS:g} GPU-hours this week; resets Monday 00:00 UTC" in reply["evalue"]
+        assert reply["evalue"].startswith("used 0.0007")
+        assert run(k.kc, "print(x)", )[0]["status"] == "error"  # still over: every GPU cell is refused
+
+        status, body = cluster.scheduler_call("POST", f"/api/v1/quota/{user}/extra", {"gpu_hours": 1},
+                                              token=cluster.scheduler.token)
+        assert status == 200 and body["extra_gpu_hours"] == 1
+        own = next(lim for lim in body["limits"] if lim["kind"] == "user")
+        assert own["gpu_hours"] == pytest.approx(1 + TINY_HOURS)
+        wait_for(lambda: every_agent(cluster, lambda v: v["view"]["extra_hours"].get(user) == 1),
+                 timeout=30, what="every agent to learn of the extra hours")
+        reply, out = run(k.kc, "x += 1; print(x)")
+        assert reply["status"] == "ok" and out["stdout"] == "2\n"  # x was 1: the refused cells changed nothing
+    finally:
+        k.close()
+
+
+def _unreported(view: dict, user: str) -> float:
+    weeks = [view["unreported"]["pending"], (view["unreported"]["inflight"] or {}).get("weeks", {})]
+    return sum(w.get(view["view"]["week"], {}).get(user, 0.0) for w in weeks)
+
+
+@pytest.mark.parametrize("cluster", [{"gpus": 4, "gpu_hours_per_week": 10}], indirect=True)
+def test_the_quota_api_shows_users_their_own_and_admins_everyone(cluster):
+    user = current_user()
+    status, mine = cluster.scheduler_call("GET", "/api/v1/quota")  # the user's own token
+    assert status == 200 and [u["user"] for u in mine["users"]] == [user]
+    assert mine["users"][0]["resets"] == "Monday 00:00 UTC"
+    assert cluster.scheduler_call("GET", "/api/v1/quota/someone-else")[0] == 403
+    assert cluster.scheduler_call("POST", f"/api/v1/quota/{user}/extra", {"gpu_hours": 1})[0] == 401
+    for bad in ({"gpu_hours": 0}, {"gpu_hours": -1}, {"gpu_hours": 1e9}, {"hours": 1}):
+        status, body = cluster.scheduler_call("POST", f"/api/v1/quota/{user}/extra", bad,
+                                              token=cluster.scheduler.token)
+        assert status == 400 and "gpu_hours" in body["error"]
+    status, every = cluster.scheduler_call("GET", "/api/v1/quota", token=cluster.scheduler.token)
+    assert status == 200 and user in [u["user"] for u in every["users"]]
