@@ -106,6 +106,17 @@ def _status_commands(sub) -> None:
         (("--user",), {"help": "only this user's kernels"}))
     add("leases", "who holds which GPU now (the agents' last heartbeats)", status.leases)
     add("version", "the version of this CLI, the scheduler and every server", status.versions)
+    q = sub.add_parser("quota", help="GPU-hours used this week and GPUs held, against each user's limits; "
+                                     "'grant USER HOURS' adds extra GPU-hours this week")
+    q.add_argument("action", nargs="?", choices=("show", "grant"), default="show")
+    q.add_argument("target", nargs="?", help="grant: the user")
+    q.add_argument("hours", nargs="?", type=float, help="grant: extra GPU-hours for this week")
+    q.add_argument("--user", help="show: this user only")
+    q.add_argument("--config", default=status.DEFAULT_CONFIG,
+                   help=f"the scheduler's settings: its address and token (default {status.DEFAULT_CONFIG}); "
+                        "without them, a user's own quota with $JUPYTERHUB_API_TOKEN")
+    q.add_argument("--json", action="store_true", help="print the scheduler's answer as JSON, for scripts")
+    q.set_defaults(func=lambda args: status.run("quota", args, status.quota, users_too=True))
     node = sub.add_parser("node", help="take a server out of service for maintenance, or put it back")
     node.add_argument("action", choices=("drain", "undrain"),
                       help="drain: no new kernels there, and its kernels' replicas move to other servers")

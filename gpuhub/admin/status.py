@@ -15,6 +15,7 @@ from gpuhub.platform.config import ConfigError, load_settings, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
 
 DEFAULT_CONFIG = "/etc/gpuhub/scheduler.toml"
+CLIENT_CONFIG = "/etc/gpuhub/client.toml"  # every host's: where the scheduler is (roles/gpuhub_common)
 
 
 class StatusError(Exception):
@@ -166,10 +167,70 @@ def versions(sched: Scheduler, args=None) -> tuple[dict, str]:
     return body, table(("component", "version", "release"), rows)
 
 
-def run(name: str, args, view: Callable[..., tuple[dict, str]]) -> int:
-    """One ``gpuhub`` status command: the table, or the JSON with ``--json``; errors on stderr."""
+def _hours(v: float | None) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
+def quota(sched: Scheduler, args) -> tuple[dict, str]:
+    """``gpuhub quota [--user U]``: GPU-hours used this week and GPUs held, against each limit;
+    ``gpuhub quota grant USER HOURS``: extra GPU-hours for USER this week (docs/quotas.md)."""
+    from urllib.parse import quote
+
+    if args.action == "grant":
+        if not args.target or args.hours is None:
+            raise StatusError("usage: gpuhub quota grant USER HOURS", 2)
+        st = sched.call("POST", f"/api/v1/quota/{quote(args.target, safe='')}/extra", {"gpu_hours": args.hours})
+        body = {"users": [st]}
+    elif args.user:
+        body = {"users": [sched.get(f"/api/v1/quota/{quote(args.user, safe='')}")]}
+    else:
+        body = sched.get("/api/v1/quota")
+    rows = []
+    for st in body["users"]:
+        own = next((lim for lim in st["limits"] if lim["kind"] == "user"), None) or {}
+        groups = ", ".join(f"{lim['name'].removeprefix('group ')} ({lim['gpu_hours_used']:.1f}/"
+                           f"{_hours(lim['gpu_hours'])} h, {lim['gpus_held']}/{_hours(lim['gpus'])} GPUs)"
+                           for lim in st["limits"] if lim["kind"] == "group")
+        rows.append((st["user"], f"{st['gpu_hours_used']:.2f}", _hours(own.get("gpu_hours")),
+                     _hours(st.get("extra_gpu_hours") or None), st["gpus_held"], _hours(own.get("gpus")),
+                     groups or "-"))
+    week = body["users"][0]["week"] if body["users"] else ""
+    text = table(("user", "gpu-hours", "limit", "extra", "gpus", "at once", "groups"), rows)
+    if week:
+        text += f"\n(the week of {week}; it resets Monday 00:00 UTC)"
+    if args.action == "grant":
+        text = f"{args.target}: {args.hours:g} extra GPU-hour(s) this week\n" + text
+    return body, text
+
+
+def user_scheduler() -> Scheduler | None:
+    """In a user's JupyterLab terminal: the scheduler named in /etc/gpuhub/client.toml, with the
+    server's JupyterHub token (the scheduler shows that user their own quota only)."""
+    import os
+    import tomllib
+
+    token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    url = os.environ.get("GPUHUB_SCHEDULER_URL", "")
+    if not url:
+        try:
+            with open(CLIENT_CONFIG, "rb") as f:  # as the provisioner reads it
+                url = tomllib.load(f).get("scheduler_url", "")
+        except (OSError, ValueError):
+            return None
+    return Scheduler(url.rstrip("/"), token, "$JUPYTERHUB_API_TOKEN") if token and url else None
+
+
+def run(name: str, args, view: Callable[..., tuple[dict, str]], users_too: bool = False) -> int:
+    """One ``gpuhub`` status command: the table, or the JSON with ``--json``; errors on stderr.
+    ``users_too``: a user without the admin token gets their own view with their JupyterHub token."""
     try:
-        body, text = view(Scheduler.from_config(args.config), args)
+        try:
+            sched = Scheduler.from_config(args.config)
+        except StatusError:
+            sched = user_scheduler() if users_too else None
+            if sched is None:
+                raise
+        body, text = view(sched, args)
     except StatusError as exc:
         print(f"gpuhub {name}: {exc}", file=sys.stderr)
         return exc.exit_status

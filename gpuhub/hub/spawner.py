@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import html
 import re
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from batchspawner import BatchSpawnerBase, JobStatus
 from traitlets import Dict, List, Unicode, default
@@ -75,6 +75,9 @@ class GpuhubSpawner(BatchSpawnerBase):
     venv = Unicode("/opt/gpuhub/venv", config=True)
     profiles = List(Dict(), config=True, help="[{name, display, gpus}] offered on the spawn form")
     server_args = List(Unicode(), config=True, help="Extra arguments for jupyterhub-singleuser")
+    scheduler_url = Unicode("", config=True,
+                            help="gpuhub-scheduler's URL, for the user's GPU quota on the spawn page; empty: no line")
+    scheduler_token_file = Unicode("/etc/gpuhub/secrets/scheduler.token", config=True)
     other_kernelspecs = List(Unicode(), ["python3"], config=True,
                              help="Kernelspecs every profile offers besides its own gpuhub-<profile>: by default "
                                   "ipykernel's plain python3 on the notebook host, where the kernelspecs role keeps it")
@@ -106,6 +109,28 @@ class GpuhubSpawner(BatchSpawnerBase):
             rows.append(f'<div class="radio"><label><input type="radio" name="profile" value="{name}"{checked}> '
                         f"{label}{note}</label></div>")
         return "<p>Kernels get their GPUs only while a cell runs.</p>" + "\n".join(rows)
+
+    async def get_options_form(self):
+        """The profile form, with the user's GPU quota this week above it when any limit applies."""
+        form = await super().get_options_form()
+        line = await self.quota_line()
+        return f'<p class="gpuhub-quota">{html.escape(line)}</p>' + form if line else form
+
+    async def quota_line(self) -> str:
+        """``GPU-hours this week: 3.2 of 30 (resets …)`` from the scheduler; "" without limits, or
+        when the scheduler cannot say (the form must open all the same)."""
+        if not self.scheduler_url:
+            return ""
+        from gpuhub.scheduler.quotas import usage_line
+
+        try:
+            _, status = await call_json("GET", f"{self.scheduler_url.rstrip('/')}/api/v1/quota/"
+                                        f"{quote(self.user.name, safe='')}",
+                                        read_secret(self.scheduler_token_file, "scheduler"), timeout=5)
+        except (ApiClientError, OSError, ValueError) as exc:
+            self.log.warning("no GPU quota line for %s: %s", self.user.name, exc)
+            return ""
+        return usage_line(status) if status.get("limits") else ""
 
     def options_from_form(self, formdata):
         return {"profile": formdata.get("profile", [self.profiles[0]["name"]])[0]}

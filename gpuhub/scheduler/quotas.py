@@ -239,3 +239,25 @@ def usage_line(status: dict) -> str:
                 shared += f", up to {lim['gpus']} GPUs at once"
             parts.append(shared + " (shared)")
     return "; ".join(parts)
+
+
+def check_file(path: str) -> int:
+    """``python -m gpuhub.scheduler.quotas scheduler.toml``: exit 1 with the reason when the file's
+    quota settings cannot be used (the scheduler role validates the file with it before installing)."""
+    import sys
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        QuotaPolicy(raw.get("quota_default"), raw.get("quota_groups"), raw.get("quota_users"))
+    except (OSError, tomllib.TOMLDecodeError, QuotaConfigError, AttributeError) as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(check_file(sys.argv[1]))

@@ -4,6 +4,7 @@ leases and reaches the scheduler's books; an admin's extra hours let the next ce
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -132,3 +133,55 @@ def test_the_quota_api_shows_users_their_own_and_admins_everyone(cluster):
         assert status == 400 and "gpu_hours" in body["error"]
     status, every = cluster.scheduler_call("GET", "/api/v1/quota", token=cluster.scheduler.token)
     assert status == 200 and user in [u["user"] for u in every["users"]]
+
+
+@pytest.mark.parametrize("cluster", [{"gpus": 4, "gpu_hours_per_week": 10}], indirect=True)
+def test_the_spawn_page_shows_the_users_quota_line_and_opens_without_the_scheduler(cluster, tmp_path):
+    from types import SimpleNamespace
+
+    from gpuhub.hub.spawner import GpuhubSpawner
+
+    token_file = tmp_path / "scheduler.token"
+    token_file.write_text(cluster.scheduler.token)
+    token_file.chmod(0o600)
+    spawner = GpuhubSpawner(user=SimpleNamespace(name=current_user(), url="/user/x/"),
+                            scheduler_url=cluster.scheduler.url, scheduler_token_file=str(token_file))
+    form = asyncio.run(spawner.get_options_form())
+    assert ('<p class="gpuhub-quota">GPU-hours this week: 0.0 of 10 (resets Monday 00:00 UTC); '
+            "GPUs at once: up to 4</p>") in form
+    assert 'name="profile"' in form
+    cluster.scheduler.stop()
+    form = asyncio.run(spawner.get_options_form())
+    assert "gpuhub-quota" not in form and 'name="profile"' in form
+
+
+@pytest.mark.parametrize("cluster", [{"gpus": 4, "gpu_hours_per_week": 10}], indirect=True)
+def test_gpuhub_quota_shows_admins_every_user_grants_hours_and_shows_a_user_their_own(cluster, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def cli(*argv, env=None):
+        return subprocess.run([sys.executable, "-m", "gpuhub.admin.cli", "quota", *argv], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **(env or {})})
+
+    user, config = current_user(), str(cluster.scheduler.config)
+    shown = cli("--config", config)
+    assert shown.returncode == 0, shown.stderr
+    head, row = shown.stdout.splitlines()[:2]
+    assert head.split() == ["USER", "GPU-HOURS", "LIMIT", "EXTRA", "GPUS", "AT", "ONCE", "GROUPS"]
+    assert row.split() == [user, "0.00", "10", "-", "0", "4", "-"]
+    granted = cli("grant", user, "2.5", "--config", config)
+    assert granted.returncode == 0 and f"{user}: 2.5 extra GPU-hour(s) this week" in granted.stdout
+    assert json.loads(cli("--user", user, "--json", "--config", config).stdout)["users"][0]["extra_gpu_hours"] == 2.5
+    assert cli("grant", user, "--config", config).returncode == 2
+    # A user in a JupyterLab terminal: no admin settings, their server's JupyterHub token.
+    env = {"JUPYTERHUB_API_TOKEN": cluster.user_token, "GPUHUB_SCHEDULER_URL": cluster.scheduler.url}
+    mine = cli("--config", str(tmp_path / "none.toml"), env=env)
+    assert mine.returncode == 0, mine.stderr
+    assert mine.stdout.splitlines()[1].split()[:4] == [user, "0.00", "12.5", "2.5"]
+    refused = cli("grant", user, "1", "--config", str(tmp_path / "none.toml"), env=env)
+    assert refused.returncode == 1 and "refused the token" in refused.stderr
+    nothing = cli("--config", str(tmp_path / "none.toml"), env={"JUPYTERHUB_API_TOKEN": ""})
+    assert nothing.returncode == 2 and "none.toml" in nothing.stderr
