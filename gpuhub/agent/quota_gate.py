@@ -112,8 +112,9 @@ class QuotaGate:
     def check(self, user: str, kernel_id: str, gpus: int, leases: Iterable, meter: UsageMeter,
               now: float | None = None) -> None:
         """Raise QuotaRefused if ``gpus`` more GPUs for ``user``'s kernel ``kernel_id`` would pass a
-        limit. ``leases``: this server's live leases (with ``user``, ``kernel_id``, ``gpus``,
-        ``granted_at``); the asking kernel's own never count against it (it runs one cell at a time)."""
+        limit. ``leases``: this server's live leases (gpuhub/agent/leases.py: ``user``, ``kernel_id``,
+        ``gpus`` (the GPU indices), ``granted_at``); the asking kernel's own never count against it
+        (it runs one cell at a time)."""
         view = self.view
         if view is None or gpus <= 0:
             return
@@ -129,7 +130,7 @@ class QuotaGate:
             if lim.get("gpu_hours") is not None:
                 hours = lim["gpu_hours"] + (view.get("extra_hours", {}).get(user, 0.0) if current else 0.0)
                 used = (lim.get("used_s", 0.0) if current else 0.0) + meter.unreported_s(members, week)
-                used += sum(le.gpus * max(0.0, now - max(le.granted_at, start))
+                used += sum(len(le.gpus) * max(0.0, now - max(le.granted_at, start))
                             for le in leases if le.user in members)
                 if used >= hours * 3600:
                     who = f"{lim['name']} used" if group else "used"
@@ -139,7 +140,7 @@ class QuotaGate:
             if lim.get("gpus") is not None:
                 cap = lim["gpus"]
                 held = sum(g for k, g in (lim.get("held_elsewhere") or {}).items() if k != kernel_id)
-                held += sum(le.gpus for le in leases if le.user in members and le.kernel_id != kernel_id)
+                held += sum(len(le.gpus) for le in leases if le.user in members and le.kernel_id != kernel_id)
                 if held + gpus > cap:
                     whose = f"{lim['name']}" if group else "you"
                     if gpus > cap:

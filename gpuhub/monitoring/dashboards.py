@@ -291,6 +291,23 @@ def cluster_gpus() -> dash.Dashboard:
         w=24,
     ))
 
+    # ---- quotas (docs/quotas.md)
+    d = d.with_row(dash.Row("GPU quotas: GPU-hours per user this week"))
+    d = d.with_panel(ts(
+        "GPU-hours this week per user",
+        [("max by (user) (gpuhub_user_gpu_hours_week)", "{{user}}"),
+         ("max by (user) (gpuhub_user_gpu_hours_limit)", "{{user}} limit")],
+        w=12, description="GPU-hours each user's cells held since Monday 00:00 UTC (the leases, not session "
+                          "time), and their own weekly limit with any extra hours an admin granted.",
+    ))
+    d = d.with_panel(ts(
+        "Cells refused by a quota",
+        [(f"sum by (limit) (increase(gpuhub_agent_quota_refusals_total{{{NODE}}}[$__rate_interval]))",
+          "{{limit}}")],
+        w=12, description="GPU lease requests an agent refused because the user was at a limit: gpus (GPUs held "
+                          "at once) or gpu_hours (the weekly GPU-hours). Each refused cell ends with the reason.",
+    ))
+
     # ---- JupyterHub
     d = d.with_row(dash.Row("JupyterHub"))
     d = d.with_panel(st("Active users (24 h)", 'max(jupyterhub_active_users{period="24h"})', w=4))

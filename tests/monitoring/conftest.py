@@ -280,7 +280,9 @@ class Gpuhub:
 
 def start_gpuhub(tmp: Path) -> Gpuhub:
     tmp.mkdir(parents=True, exist_ok=True)
-    dev = DevCluster(tmp, nodes=3, gpus_per_node=2).start()
+    # A default quota, so that the quota panels have a limit to show (docs/quotas.md).
+    dev = DevCluster(tmp, nodes=3, gpus_per_node=2,
+                     scheduler_settings={"quota_default": {"gpu_hours_per_week": 1000}}).start()
     hub_token = tmp / "hub1-scheduler.token"
     hub_token.write_text(dev.scheduler.token)
     hub_token.chmod(0o600)

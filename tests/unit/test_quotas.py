@@ -4,10 +4,10 @@ agent's meter and gate (gpuhub/scheduler/quotas.py, gpuhub/agent/quota_gate.py).
 from __future__ import annotations
 
 import datetime as dt
-from types import SimpleNamespace
 
 import pytest
 
+from gpuhub.agent.leases import Lease
 from gpuhub.agent.quota_gate import QuotaGate, QuotaRefused, UsageMeter
 from gpuhub.platform.weeks import split_by_week, week_key, week_start
 from gpuhub.scheduler.quotas import LiveLease, QuotaConfigError, QuotaPolicy, Quotas, UsageLedger, usage_line
@@ -87,7 +87,7 @@ def test_a_servers_view_counts_ended_and_live_leases_of_other_servers_only():
 
 
 def lease(user, kernel, gpus, granted_at):
-    return SimpleNamespace(user=user, kernel_id=kernel, gpus=gpus, granted_at=granted_at)
+    return Lease("l1", "unit", tuple(range(gpus)), granted_at, user=user, kernel_id=kernel)
 
 
 def view(limits, extra=None, week="2026-11-23"):
