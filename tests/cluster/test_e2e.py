@@ -368,6 +368,12 @@ def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
 
     assert wait_for(lambda: counted("sum(gpuhub_agent_cell_gpu_wait_seconds_count)"), 45, interval=3)
     assert wait_for(lambda: counted("gpuhub_scheduler_kernel_start_seconds_count"), 45, interval=3)
+    # The hub certificate's expiry, from the hourly timer's node_exporter text file: the
+    # self-signed certificate has more than 800 days left, and it was read.
+    days_left = '(gpuhub_tls_cert_not_after_seconds{path="/etc/gpuhub/secrets/proxy/tls.crt"} - time()) / 86400 > 800'
+    assert wait_for(lambda: counted(days_left), 45, interval=3)
+    assert wait_for(lambda: counted('gpuhub_tls_cert_readable{path="/etc/gpuhub/secrets/proxy/tls.crt"}'), 45,
+                    interval=3)
 
 
 # A webhook receiver for Alertmanager, on the monitoring host: appends "<path> <body>" per POST.
