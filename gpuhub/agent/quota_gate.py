@@ -13,12 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuhub.platform.weeks import RESETS, split_by_week, week_key, week_start
-
-
-def hours_text(hours: float) -> str:
-    """GPU-hours as a user reads them: one decimal (``29.5``), two significant digits below 0.1."""
-    return f"{hours:.1f}" if hours >= 0.1 or hours == 0 else f"{hours:.2g}"
+from gpuhub.platform.quota_text import RESETS, hours_text
+from gpuhub.platform.weeks import split_by_week, week_key, week_start
 
 
 class QuotaRefused(Exception):

@@ -18,6 +18,7 @@ from traitlets import Dict, List, Unicode, default
 
 from gpuhub.platform.config import read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.platform.quota_text import usage_line
 
 DEFAULT_PROFILES = [
     {"name": "cpu", "display": "CPU only", "gpus": 0},
@@ -121,8 +122,6 @@ class GpuhubSpawner(BatchSpawnerBase):
         when the scheduler cannot say (the form must open all the same)."""
         if not self.scheduler_url:
             return ""
-        from gpuhub.scheduler.quotas import usage_line
-
         try:
             _, status = await call_json("GET", f"{self.scheduler_url.rstrip('/')}/api/v1/quota/"
                                         f"{quote(self.user.name, safe='')}",

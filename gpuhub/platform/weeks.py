@@ -29,7 +29,3 @@ def split_by_week(start: float, end: float) -> list[tuple[str, float]]:
         out.append((week_key(t), upto - t))
         t = upto
     return out
-
-
-# Said in every quota message: when this week's GPU-hours start again from zero.
-RESETS = "Monday 00:00 UTC"

@@ -14,7 +14,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpuhub.platform.weeks import RESETS, WEEK_S, week_key, week_start
+from gpuhub.platform.quota_text import RESETS
+from gpuhub.platform.weeks import WEEK_S, week_key, week_start
 
 LIMIT_KEYS = ("gpus", "gpu_hours_per_week")
 KEEP_WEEKS = 8  # weeks of usage kept in the books (the CLI and the dashboard show this week)
@@ -219,26 +220,6 @@ class Quotas:
         found = (self.policy.named_users() | set(self.ledger.closed.get(week, {}))
                  | set(self.ledger.extra.get(week, {})) | {le.user for le in leases} | set(others))
         return sorted(u for u in found if u)
-
-
-def usage_line(status: dict) -> str:
-    """One line for the spawn page and ``gpuhub quota``: ``GPU-hours this week: 3.2 of 30 (resets
-    Monday 00:00 UTC); GPUs at once: up to 2``."""
-    own = next((lim for lim in status["limits"] if lim["kind"] == "user"), None)
-    hours = f"{status['gpu_hours_used']:.1f}"
-    if own and own["gpu_hours"] is not None:
-        hours += f" of {own['gpu_hours']:g}"
-    parts = [f"GPU-hours this week: {hours} (resets {status['resets']})"]
-    if own and own["gpus"] is not None:
-        parts.append(f"GPUs at once: up to {own['gpus']}")
-    for lim in status["limits"]:
-        if lim["kind"] == "group":
-            shared = f"{lim['name']}: {lim['gpu_hours_used']:.1f}"
-            shared += f" of {lim['gpu_hours']:g} GPU-hours" if lim["gpu_hours"] is not None else " GPU-hours"
-            if lim["gpus"] is not None:
-                shared += f", up to {lim['gpus']} GPUs at once"
-            parts.append(shared + " (shared)")
-    return "; ".join(parts)
 
 
 def check_file(path: str) -> int:

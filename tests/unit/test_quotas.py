@@ -9,8 +9,9 @@ import pytest
 
 from gpuhub.agent.leases import Lease
 from gpuhub.agent.quota_gate import QuotaGate, QuotaRefused, UsageMeter
+from gpuhub.platform.quota_text import usage_line
 from gpuhub.platform.weeks import split_by_week, week_key, week_start
-from gpuhub.scheduler.quotas import LiveLease, QuotaConfigError, QuotaPolicy, Quotas, UsageLedger, usage_line
+from gpuhub.scheduler.quotas import LiveLease, QuotaConfigError, QuotaPolicy, Quotas, UsageLedger
 
 TUESDAY = dt.datetime(2026, 11, 24, 13, 0, tzinfo=dt.UTC).timestamp()
 MONDAY = dt.datetime(2026, 11, 23, tzinfo=dt.UTC).timestamp()
