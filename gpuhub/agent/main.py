@@ -33,6 +33,8 @@ async def heartbeat_loop(agent: Agent, token: str) -> None:
             if not failing:
                 log.warning("heartbeat to scheduler failed: %s", exc)
             failing = True
+        except Exception:  # e.g. the state file cannot be written: keep heartbeating all the same
+            log.exception("heartbeat round failed")
         await asyncio.sleep(agent.config.heartbeat_interval_s)
 
 

@@ -74,10 +74,28 @@ class UsageMeter:
         return meter
 
 
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_limit(lim: object) -> bool:
+    return (isinstance(lim, dict) and isinstance(lim.get("name"), str)
+            and isinstance(lim.get("members"), list) and all(isinstance(m, str) for m in lim["members"])
+            and (lim.get("gpus") is None or (_number(lim["gpus"]) and int(lim["gpus"]) == lim["gpus"]))
+            and (lim.get("gpu_hours") is None or _number(lim["gpu_hours"]))
+            and _number(lim.get("used_s", 0))
+            and isinstance(lim.get("held_elsewhere", {}), dict)
+            and all(_number(g) for g in lim.get("held_elsewhere", {}).values()))
+
+
 def _is_view(view: object) -> bool:
+    """A quota view the gate can use: anything else is ignored (a malformed answer must not turn
+    every grant into an error)."""
     return (isinstance(view, dict) and isinstance(view.get("week"), str) and isinstance(view.get("limits"), list)
-            and all(isinstance(lim, dict) for lim in view["limits"])
-            and isinstance(view.get("extra_hours", {}), dict))
+            and all(_is_limit(lim) for lim in view["limits"])
+            and isinstance(view.get("extra_hours", {}), dict)
+            and all(_number(h) for h in view.get("extra_hours", {}).values())
+            and isinstance(view.get("users", []), list))
 
 
 class QuotaGate:
@@ -87,10 +105,22 @@ class QuotaGate:
     def __init__(self) -> None:
         self.view: dict | None = None
 
-    def update(self, view: object) -> None:
-        """The ``quotas`` part of the scheduler's heartbeat answer (ignored if it is not one)."""
-        if _is_view(view):
-            self.view = view
+    def update(self, view: object, local_users: set[str] = frozenset()) -> None:
+        """The ``quotas`` part of the scheduler's heartbeat answer (ignored if it is not one). It
+        covers the users with kernels here in the scheduler's books (``users``); the limits of a
+        user whose kernel is still being placed (``local_users``: this server's kernel units) came
+        with its unit and are kept until an answer covers them."""
+        if not _is_view(view):
+            return
+        old = self.view
+        if old is not None and old["week"] == view["week"] and "users" in view:
+            pending = set(local_users) - set(view["users"])
+            names = {lim["name"] for lim in view["limits"]}
+            kept = [lim for lim in old["limits"] if lim["name"] not in names and pending & set(lim["members"])]
+            extra = {u: h for u, h in old.get("extra_hours", {}).items() if u in pending}
+            view = {**view, "limits": view["limits"] + kept,
+                    "extra_hours": {**extra, **view.get("extra_hours", {})}}
+        self.view = view
 
     def merge(self, view: object) -> None:
         """A new kernel's user's limits, sent with its unit: added to (or replacing, by name) those

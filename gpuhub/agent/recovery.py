@@ -66,6 +66,17 @@ async def gone_for_good(runner: UnitRunner, name: str) -> bool:
     return not st.active and st.state in ("gone", "inactive")
 
 
+def saved_leases(raw: list[dict]) -> list[Lease]:
+    """Every lease the state file lists (those whose entry cannot be read are skipped)."""
+    out = []
+    for d in raw:
+        try:
+            out.append(Lease.from_dict(d))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def live_leases(raw: list[dict], units: dict[str, UnitRecord]) -> list[Lease]:
     """The saved leases whose holder unit is still known and whose holder process still runs."""
     leases = (Lease.from_dict(d) for d in raw)

@@ -37,6 +37,7 @@ from gpuhub.agent.recovery import (
     live_leases,
     load_state,
     pid_alive,
+    saved_leases,
 )
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
@@ -83,6 +84,8 @@ class Agent:
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "usage": self.meter.to_dict(),
             "quota_view": self.quota_gate.view,
+            # A lease that does not survive a crash or reboot counts its GPU-hours up to here.
+            "saved_at": time.time(),
         })
 
     async def recover(self) -> None:
@@ -102,11 +105,14 @@ class Agent:
                 self.journals.remove(name)
         if self.config.unit_backend == "systemd":
             self.journals.open_parents()
-        for lease in live_leases(data.get("leases", []), self.units):
+        self.meter = UsageMeter.from_dict(data.get("usage"))
+        live = live_leases(data.get("leases", []), self.units)
+        for lease in live:
             lease.user = lease.user or self.units[lease.holder].user  # leases saved before quotas
             lease.kernel_id = lease.kernel_id or self.units[lease.holder].kernel_id
             self.book.leases[lease.lease_id] = lease
-        self.meter = UsageMeter.from_dict(data.get("usage"))
+        ended = [le for le in saved_leases(data.get("leases", [])) if le.lease_id not in self.book.leases]
+        self._ended(ended, now=min(float(data.get("saved_at") or 0.0), time.time()))
         self.quota_gate.update(data.get("quota_view"))  # enforced from the start, not the next heartbeat
         for u in self.units.values():
             if u.kind == "kernel":
@@ -376,9 +382,14 @@ class Agent:
         """What the agent tells the scheduler every few seconds: node_info, and the GPU-seconds of
         ended leases it has not acknowledged yet."""
         body = self.node_info()
+        before = self.meter.inflight
         usage = self.meter.batch()
         if usage is not None:
             body["usage"] = usage
+        if (usage is not None and usage is not before) or self.book.leases:
+            # A new batch is on disk before the scheduler can count it (a crash must not count it
+            # again under a new number); a running lease's time so far survives a crash.
+            self.save()
         return body
 
     def heartbeat_answered(self, answer: object) -> None:
@@ -388,8 +399,14 @@ class Agent:
         if "usage_ack" in answer:
             self.meter.acked(answer["usage_ack"])
             self.save()
+        elif "usage_error" in answer and self.meter.inflight is not None:
+            # It can never be counted, and sending it again would stall every later batch.
+            log.error("the scheduler refused this server's GPU usage batch %s (%s); it is dropped",
+                      self.meter.inflight["seq"], answer["usage_error"])
+            self.meter.acked(self.meter.inflight["seq"])
+            self.save()
         if "quotas" in answer:
-            self.quota_gate.update(answer["quotas"])
+            self.quota_gate.update(answer["quotas"], {u.user for u in self.units.values() if u.kind == "kernel"})
 
     def gpu_uuids(self, lease: Lease) -> list[dict]:
         gpus = self.gpus()

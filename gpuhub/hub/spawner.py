@@ -126,10 +126,10 @@ class GpuhubSpawner(BatchSpawnerBase):
             _, status = await call_json("GET", f"{self.scheduler_url.rstrip('/')}/api/v1/quota/"
                                         f"{quote(self.user.name, safe='')}",
                                         read_secret(self.scheduler_token_file, "scheduler"), timeout=5)
-        except (ApiClientError, OSError, ValueError) as exc:
+            return usage_line(status) if status.get("limits") else ""
+        except (ApiClientError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self.log.warning("no GPU quota line for %s: %s", self.user.name, exc)
             return ""
-        return usage_line(status) if status.get("limits") else ""
 
     def options_from_form(self, formdata):
         return {"profile": formdata.get("profile", [self.profiles[0]["name"]])[0]}

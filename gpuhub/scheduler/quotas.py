@@ -196,7 +196,8 @@ class Quotas:
                     held[le.kernel_id] = held.get(le.kernel_id, 0) + le.gpus
             out.append({**limit.to_dict(), "used_s": self.used_s(limit.members, now, leases, exclude_node=node),
                         "held_elsewhere": held})
-        return {"week": week_key(now), "week_start": week_start(now), "limits": out, "extra_hours": extra}
+        return {"week": week_key(now), "week_start": week_start(now), "users": sorted(users), "limits": out,
+                "extra_hours": extra}
 
     def status(self, user: str, now: float, leases: list[LiveLease]) -> dict:
         """What ``gpuhub quota`` and the spawn page show a user: this week's GPU-hours and GPUs held,

@@ -150,12 +150,16 @@ class Scheduler:
         info = dict(info)
         usage = info.pop("usage", None)
         answer: dict = {"ok": True}
-        if usage is not None:
-            answer["usage_ack"] = self.quotas.ledger.apply(name, usage)  # ValueError: malformed
         known = self.nodes.get(name)
         fresh = known is None
         now = time.time()
         self.nodes[name] = NodeRecord(name, url, info, now, drained=bool(known and known.drained))
+        if usage is not None:
+            try:
+                answer["usage_ack"] = self.quotas.ledger.apply(name, usage)
+            except ValueError as exc:  # the server stays live; the agent drops what cannot be counted
+                log.error("node %s sent a usage batch that cannot be counted: %s", name, exc)
+                answer["usage_error"] = str(exc)
         if fresh:
             log.info("node %s registered (%s GPU(s)) at %s", name, info.get("gpu_count"), url)
         if fresh or usage is not None:

@@ -77,3 +77,35 @@ def test_a_port_something_listens_on_is_skipped():
     s, busy = _listening_next_to_a_free_port()
     with s:
         assert free_ports("127.0.0.1", 1, busy, busy + 1, set()) == [busy + 1]
+
+
+async def test_a_lease_lost_with_the_server_counts_its_gpu_hours_up_to_the_last_save(tmp_path):
+    """A reboot ends every cell: the leases in the state file that did not survive count towards
+    their users' weekly GPU-hours until the file was last written (docs/quotas.md)."""
+    import json
+    import time
+
+    a = agent(tmp_path)
+    a.state_path.parent.mkdir(parents=True)
+    granted = time.time() - 3600
+    a.state_path.write_text(json.dumps({
+        "node": "n1", "units": {}, "saved_at": granted + 600,
+        "leases": [{"lease_id": "l1", "holder": "gpuhub-kernel-k1-r0", "gpus": [0], "granted_at": granted,
+                    "user": "alice", "kernel_id": "k1"}],
+    }))
+    a.state_path.chmod(0o600)
+    await a.recover()
+    assert not a.book.leases
+    batch = a.meter.batch()
+    assert sum(per_user["alice"] for per_user in batch["weeks"].values()) == pytest.approx(600)
+
+
+def test_a_usage_batch_the_scheduler_cannot_count_is_dropped_and_the_next_one_goes_out(tmp_path):
+    a = agent(tmp_path)
+    a.meter.record("alice", 1, 100.0, 110.0)
+    first = a.heartbeat_body()["usage"]
+    a.heartbeat_answered({"ok": True, "usage_error": "field 'usage.weeks' …"})
+    a.meter.record("alice", 1, 200.0, 205.0)
+    second = a.heartbeat_body()["usage"]
+    assert second["seq"] == first["seq"] + 1 and list(second["weeks"].values()) == [{"alice": 5.0}]
+    assert a.store.load()["usage"]["inflight"] == second  # on disk before the scheduler can count it

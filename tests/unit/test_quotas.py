@@ -152,3 +152,74 @@ def test_the_meter_sends_one_batch_until_it_is_acknowledged():
     assert second["seq"] == first["seq"] + 1 and second["weeks"] == {"2026-11-23": {"alice": 5.0}}
     restored = UsageMeter.from_dict(meter.to_dict())
     assert restored.batch() == second and restored.next_seq >= meter.next_seq
+
+
+def render_scheduler_toml(tmp_path, **quotas):
+    """roles/gpuhub_scheduler/templates/scheduler.toml.j2 as the role renders it, into a file."""
+    import json
+    from pathlib import Path
+
+    import jinja2
+    import yaml
+
+    role = Path(__file__).parents[2] / "roles" / "gpuhub_scheduler"
+    values = {**yaml.safe_load((role / "defaults" / "main.yml").read_text()), **quotas}
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    env.filters["to_json"] = json.dumps
+    text = env.from_string((role / "templates" / "scheduler.toml.j2").read_text()).render(
+        ansible_managed="Ansible managed", gpuhub_hub_address="10.0.0.2", gpuhub_hub_api_port=8081,
+        gpuhub_scheduler_port=8600, **values)
+    out = tmp_path / "scheduler.toml"
+    out.write_text(text)
+    return out
+
+
+def test_the_scheduler_file_carries_the_inventorys_limits_and_its_check_names_a_misspelt_key(tmp_path, capsys):
+    import tomllib
+
+    from gpuhub.scheduler.quotas import check_file
+
+    good = render_scheduler_toml(tmp_path, gpuhub_quota_default={"gpus": 2, "gpu_hours_per_week": 30},
+                                 gpuhub_quota_users={"alice": {"gpus": 4}, "d.o-e": {"gpu_hours_per_week": 1.5}},
+                                 gpuhub_quota_groups={"lab": {"members": ["alice", "bob"], "gpus": 6}})
+    raw = tomllib.loads(good.read_text())
+    policy = QuotaPolicy(raw["quota_default"], raw["quota_groups"], raw["quota_users"])
+    assert [(lim.name, lim.gpus, lim.gpu_hours) for lim in policy.limits_for("alice")] == [
+        ("alice", 4, None), ("group lab", 6, None)]
+    assert policy.limits_for("d.o-e")[0].gpu_hours == 1.5 and check_file(str(good)) == 0
+    defaults = tomllib.loads(render_scheduler_toml(tmp_path).read_text())  # the role's defaults: no limits
+    assert not [key for key in defaults if key.startswith("quota")]
+
+    typo = render_scheduler_toml(tmp_path, gpuhub_quota_users={"alice": {"gpus": 4, "gpu_hours": 100}})
+    assert check_file(str(typo)) == 1
+    assert "quota_users.alice: unknown key(s) gpu_hours" in capsys.readouterr().err
+
+
+def test_limits_a_new_kernel_brought_stay_until_an_answer_covers_its_user():
+    gate = QuotaGate()
+    alice = {"name": "alice", "kind": "user", "members": ["alice"], "gpus": 1, "gpu_hours": None, "used_s": 0,
+             "held_elsewhere": {}}
+    bob = {**alice, "name": "bob", "members": ["bob"]}
+    gate.update({**view([alice]), "users": ["alice"]}, {"alice"})
+    gate.merge(view([bob], extra={"bob": 2}))  # bob's new kernel's unit, before the books list it
+    gate.update({**view([alice]), "users": ["alice"]}, {"alice", "bob"})
+    assert {lim["name"] for lim in gate.view["limits"]} == {"alice", "bob"} and gate.view["extra_hours"] == {"bob": 2}
+    gate.update({**view([alice, {**bob, "gpus": 3}]), "users": ["alice", "bob"]}, {"alice", "bob"})
+    assert {lim["name"]: lim["gpus"] for lim in gate.view["limits"]} == {"alice": 1, "bob": 3}
+    gate.update({**view([alice]), "users": ["alice"]}, {"alice"})  # bob's kernel ended here
+    assert [lim["name"] for lim in gate.view["limits"]] == ["alice"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"gpus": "2"}, {"gpu_hours": "lots"}, {"used_s": None}, {"held_elsewhere": []}, {"held_elsewhere": {"k": "x"}},
+    {"members": "alice"},
+])
+def test_a_malformed_view_is_ignored_not_turned_into_errors(bad):
+    gate, meter = QuotaGate(), UsageMeter()
+    good = {"name": "alice", "kind": "user", "members": ["alice"], "gpus": 0, "gpu_hours": None, "used_s": 0,
+            "held_elsewhere": {}}
+    gate.update(view([good]))
+    gate.update(view([{**good, **bad}]))
+    assert gate.view["limits"] == [good]
+    with pytest.raises(QuotaRefused):
+        gate.check("alice", "k1", 1, [], meter, TUESDAY)

@@ -194,3 +194,12 @@ async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_repl
     assert again.nodes["a"].drained and again.nodes["b"].drained and not again.nodes["c"].drained
     again.set_drained("a", False)
     assert not again.nodes["a"].drained
+
+
+def test_a_heartbeat_with_a_usage_batch_that_cannot_be_counted_keeps_the_server_live(tmp_path):
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
+    answer = s.heartbeat({"node": "gpu1", "url": "http://gpu1:8601", "usage": {"seq": 3, "weeks": []}})
+    assert "usage_ack" not in answer and "usage.weeks" in answer["usage_error"]
+    assert s.live(s.nodes["gpu1"])
+    assert s.heartbeat({"node": "gpu1", "url": "http://gpu1:8601",
+                        "usage": {"seq": 4, "weeks": {"2026-11-23": {"alice": 5}}}})["usage_ack"] == 4
