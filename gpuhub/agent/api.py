@@ -115,7 +115,7 @@ class UnitsHandler(AgentHandler):
             raise ApiError(400, str(exc)) from None
         if body.quotas is not None:
             self.agent.quota_gate.merge(body.quotas)
-            self.agent.save()
+            self.agent.quota_view_changed()
         self.write_json(unit, 201)
 
 

@@ -103,7 +103,21 @@ class QuotaGate:
     this server's own leases and unreported usage."""
 
     def __init__(self) -> None:
-        self.view: dict | None = None
+        self._view: dict | None = None
+        self._by_user: dict[str, list[tuple[dict, frozenset[str]]]] = {}  # user -> (limit, its members)
+
+    @property
+    def view(self) -> dict | None:
+        return self._view
+
+    @view.setter
+    def view(self, view: dict | None) -> None:
+        # Indexed by member once per answer, so a grant looks at its user's few limits only.
+        self._view, self._by_user = view, {}
+        for lim in (view or {}).get("limits", ()):
+            members = frozenset(lim["members"])
+            for m in members:
+                self._by_user.setdefault(m, []).append((lim, members))
 
     def update(self, view: object, local_users: set[str] = frozenset()) -> None:
         """The ``quotas`` part of the scheduler's heartbeat answer (ignored if it is not one). It
@@ -148,10 +162,7 @@ class QuotaGate:
         week, start = week_key(now), week_start(now)
         current = view["week"] == week  # else the week turned since the last answer: its hours are 0
         leases = list(leases)
-        for lim in view["limits"]:
-            members = set(lim.get("members") or ())
-            if user not in members:
-                continue
+        for lim, members in self._by_user.get(user, ()):
             group = lim.get("kind") == "group"
             if lim.get("gpu_hours") is not None:
                 hours = lim["gpu_hours"] + (view.get("extra_hours", {}).get(user, 0.0) if current else 0.0)

@@ -42,7 +42,7 @@ from gpuhub.agent.recovery import (
 from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform import releases
-from gpuhub.platform.store import JsonStore
+from gpuhub.platform.store import CorruptStore, JsonStore
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class Agent:
         # not survive a power loss of this node either, and a crash of the agent alone keeps the
         # page cache. Atomic either way.
         self.store = JsonStore(self.state_path, durable=False)
+        # Its own file: written when the scheduler's answer changes it, not at every grant and release.
+        self.quota_store = JsonStore(Path(config.state_dir) / "quota_view.json", durable=False)
         self.journals = Journals(config.state_dir)
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
@@ -83,7 +85,6 @@ class Agent:
             "units": {n: asdict(u) for n, u in self.units.items()},
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "usage": self.meter.to_dict(),
-            "quota_view": self.quota_gate.view,
             # A lease that does not survive a crash or reboot counts its GPU-hours up to here.
             "saved_at": time.time(),
         })
@@ -113,7 +114,11 @@ class Agent:
             self.book.leases[lease.lease_id] = lease
         ended = [le for le in saved_leases(data.get("leases", [])) if le.lease_id not in self.book.leases]
         self._ended(ended, now=min(float(data.get("saved_at") or 0.0), time.time()))
-        self.quota_gate.update(data.get("quota_view"))  # enforced from the start, not the next heartbeat
+        try:  # enforced from the start, not from the next heartbeat
+            self.quota_gate.update(self.quota_store.load())
+        except CorruptStore:
+            log.warning("quota view %s is corrupt; quotas are enforced again from the next heartbeat",
+                        self.quota_store.path)
         for u in self.units.values():
             if u.kind == "kernel":
                 self.book.place(u.name, u.gpus)
@@ -406,7 +411,13 @@ class Agent:
             self.meter.acked(self.meter.inflight["seq"])
             self.save()
         if "quotas" in answer:
+            before = self.quota_gate.view
             self.quota_gate.update(answer["quotas"], {u.user for u in self.units.values() if u.kind == "kernel"})
+            if self.quota_gate.view != before:
+                self.quota_view_changed()
+
+    def quota_view_changed(self) -> None:
+        self.quota_store.save(self.quota_gate.view)
 
     def gpu_uuids(self, lease: Lease) -> list[dict]:
         gpus = self.gpus()

@@ -36,7 +36,7 @@ async def test_a_corrupt_state_file_is_kept_aside_and_rebuilt(tmp_path, caplog):
     assert len(kept) == 1 and kept[0].read_text() == '{"units": {"gpuhub-kernel-'
     assert any("state file was corrupt" in r.message for r in caplog.records)
     fresh = a.store.load()  # a fresh one, still private
-    assert (fresh["node"], fresh["units"], fresh["leases"], fresh["quota_view"]) == ("n1", {}, [], None)
+    assert (fresh["node"], fresh["units"], fresh["leases"]) == ("n1", {}, [])
     assert stat.S_IMODE(a.state_path.stat().st_mode) == 0o600
 
 
