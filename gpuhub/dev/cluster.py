@@ -209,9 +209,11 @@ class DevCluster:
 
     def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
                  node_timeout_s: float = 10, replica_dead_grace_s: float = 10,
-                 scheduler_settings: dict | None = None) -> None:
+                 scheduler_settings: dict | None = None, agent_settings: dict | None = None) -> None:
         self.tmp = Path(tmp)
         self.scheduler_settings = scheduler_settings  # more keys of scheduler.toml (quotas, …)
+        # more keys of every agent.toml: {"gpus": {"backend": "nvml"}} serves the machine's real GPUs
+        self.agent_settings = agent_settings or {}
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
         self.node_timeout_s = node_timeout_s  # no heartbeat this long: the scheduler counts the node lost
@@ -231,7 +233,7 @@ class DevCluster:
             token_file.chmod(0o600)
             a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, extra={
                 "scheduler_url": self.scheduler.url, "scheduler_token_file": str(token_file),
-                "heartbeat_interval_s": 0.5})
+                "heartbeat_interval_s": 0.5, **self.agent_settings})
             a.token = self.agent_token
             (a.dir / "secrets" / "agent.token").write_text(self.agent_token)
             self.agents.append(a.start())
