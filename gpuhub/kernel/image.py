@@ -7,7 +7,8 @@ to one object, references into other objects (``opt = SGD(model.parameters())`` 
 ``model``), cycles, and numpy views of one base (:func:`_view_of`). Pickling each name on its own,
 as gpuhub did before, silently gave every name its own copy.
 
-Large buffers (:data:`BUFFER_MIN_BYTES` or more: numpy arrays wherever they sit, DataFrame blocks)
+Large buffers (:data:`BUFFER_MIN_BYTES` or more: numpy arrays wherever they sit, DataFrame blocks,
+PyTorch tensors' storages)
 leave the stream out of band and are named by content digest. A buffer the group already has is
 neither copied nor sent again; with :mod:`gpuhub.kernel.dirty` it is not even hashed. So a cell
 costs what it changed in bytes, plus one pass over the namespace's small objects.
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import devices, dirty
+from gpuhub.kernel import devices, dirty, tensors
 
 BUFFER_MIN_BYTES = 1 << 20
 """Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
@@ -124,12 +125,14 @@ def _namespace() -> dict:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus numpy views kept as views of their (shared) base, GPU tensors sent from
-    the host with their logical device (:mod:`gpuhub.kernel.devices`), and notebook functions'
-    globals sent as a reference to the namespace (``namespace``: the one being captured)."""
+    """cloudpickle, plus numpy views kept as views of their (shared) base, PyTorch tensors with
+    their storage out of band (:mod:`gpuhub.kernel.tensors`), GPU tensors sent from the host with
+    their logical device (:mod:`gpuhub.kernel.devices`), and notebook functions' globals sent as a
+    reference to the namespace (``namespace``: the one being captured)."""
 
     def __init__(self, file, *, namespace: dict | None = None, **kw) -> None:
         super().__init__(file, **kw)
+        self._storages: dict = {}  # tensors sharing a storage share it in the image
         if namespace is not None:
             # cloudpickle looks a function's future globals up here by id (functions sharing
             # globals share them once loaded): the namespace's entry is the marker. globals_ref
@@ -148,7 +151,7 @@ class _Pickler(cloudpickle.Pickler):
                 offset = obj.__array_interface__["data"][0] - base.__array_interface__["data"][0]
                 if 0 <= offset <= base.nbytes:
                     return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
-        reduced = devices.reduce_gpu_value(obj)
+        reduced = tensors.reduce_tensor(obj, self._storages) or devices.reduce_gpu_value(obj)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)

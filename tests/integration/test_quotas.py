@@ -63,8 +63,9 @@ def test_a_cell_past_the_gpus_at_once_is_refused_while_another_kernel_holds_one(
         msg_id = busy.kc.execute("import time; print('holding', flush=True); time.sleep(600)")
         wait_for_output(busy.kc, msg_id, "holding")
         # Every agent knows: the holder's own agent from its lease, the others from the scheduler's
-        # answer to their heartbeats (the holder's heartbeat shows the lease).
-        wait_for(lambda: all(held_seen(a, user) for a in cluster.agents), timeout=30,
+        # answer to their heartbeats (the holder's heartbeat shows the lease). Only `busy`'s lease
+        # counts: a view may still list `other`'s own last lease, which never counts against it.
+        wait_for(lambda: all(held_seen(a, user, busy.kernel_id) for a in cluster.agents), timeout=30,
                  what="every agent to see the held GPU")
         reply, _ = run(other.kc, "y = 2")
         assert reply["status"] == "error" and reply["ename"] == "GpuQuotaExceeded"
@@ -79,10 +80,12 @@ def test_a_cell_past_the_gpus_at_once_is_refused_while_another_kernel_holds_one(
         other.close()
 
 
-def held_seen(agent, user: str) -> int:
-    """GPUs the user holds as this agent sees them: its own leases and those the scheduler reported."""
-    elsewhere = sum(own_limit(quota_view(agent)["view"], user)["held_elsewhere"].values())
-    return elsewhere + sum(len(le["gpus"]) for le in agent.call("GET", "/api/v1/node")[1]["leases"])
+def held_seen(agent, user: str, kernel_id: str) -> int:
+    """GPUs the user's kernel ``kernel_id`` holds as this agent sees them: its own leases and
+    those the scheduler reported."""
+    elsewhere = own_limit(quota_view(agent)["view"], user)["held_elsewhere"].get(kernel_id, 0)
+    return elsewhere + sum(len(le["gpus"]) for le in agent.call("GET", "/api/v1/node")[1]["leases"]
+                           if le["kernel_id"] == kernel_id)
 
 
 @pytest.mark.parametrize("cluster", [{"gpu_hours_per_week": TINY_HOURS}], indirect=True)
