@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-down test test-unit test-fast test-cluster bench lint venv host-deps clean
+.PHONY: demo demo-down test test-unit test-fast test-gpu test-cluster bench lint venv host-deps clean
 
 $(STAMP): pyproject.toml requirements/dev.txt
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-unit: venv
 
 test-fast: venv $(TORCH)
 	$(BIN)/pytest -q -m "not cluster" tests
+
+# On a machine with an NVIDIA GPU (and PyTorch for it): the tests that need one (docs/testing.md).
+# Elsewhere they skip, saying why.
+test-gpu: venv $(TORCH)
+	$(BIN)/pytest -q -rs -m gpu tests
 
 # The molecule scenario: a fresh cluster "ci", site.yml, idempotence (changed=0), the end-to-end
 # tests (pytest -m cluster), then the cluster is removed.

@@ -32,7 +32,8 @@ def test_a_models_parameters_and_optimizer_state_leave_the_stream():
     p = out["model"].weight
     assert type(p) is torch.nn.Parameter and p.requires_grad and p.is_leaf
     assert out["opt"].param_groups[0]["params"][0] is p  # the optimizer still updates the model
-    assert torch.equal(p, model.weight) and torch.equal(out["opt"].state[p]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    assert torch.equal(p, model.weight)
+    assert torch.equal(out["opt"].state[p]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 
 def test_an_unchanged_storage_keeps_its_digest_and_a_changed_one_does_not():
