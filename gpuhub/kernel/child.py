@@ -30,6 +30,7 @@ from IPython.core.error import StdinNotImplementedError
 from gpuhub.kernel import devices
 from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.kernel.warm_imports import imported_since
 from gpuhub.replication.digest import digest
 
 PR_SET_PDEATHSIG = 1
@@ -56,6 +57,7 @@ class SentImage:
     names: list[str]
     buffers: list[tuple[str, int, bytes | None]]
     failed: dict[str, str] = field(default_factory=dict)
+    imported: list[str] = field(default_factory=list)  # modules new in this process: the replica may import them
 
 
 class PipeStream(io.TextIOBase):
@@ -146,6 +148,7 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
         gpu_uuids: list[str], out_fd: int, in_fd: int, known: KnownBuffers, execution_count: int) -> None:
     """Run one cell in this (child) process and report to the parent. Never returns normally."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
+    modules = frozenset(sys.modules)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
@@ -206,8 +209,9 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
     ran = time.monotonic()
-    chan.send("image", capture_image(shell, known, known_digest),
-              {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
+    sent = capture_image(shell, known, known_digest)
+    sent.imported = imported_since(modules)
+    chan.send("image", sent, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
 
 
 def capture_image(shell, known: KnownBuffers, known_digest) -> SentImage:

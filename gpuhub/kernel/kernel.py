@@ -30,6 +30,7 @@ from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
+from gpuhub.kernel.warm_imports import ImportWarmer
 from gpuhub.platform.messages import DISPATCH_NOTE
 from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
@@ -101,6 +102,8 @@ class GpuhubKernel(IPythonKernel):
         self._cell_arrived = time.monotonic()  # when the cell now running reached this replica
         self._notes: dict[str, dict] = {}  # cell -> what the router said of it (missed, to)
         self.control_handlers[DISPATCH_NOTE] = self._on_dispatch_note
+        # GPU kernels: what a cell's child imported is imported here between cells, when safe
+        self.import_warmer = ImportWarmer() if self.gpus > 0 else None
         if self.gpus > 0:
             from gpuhub.kernel import child
 
@@ -499,6 +502,7 @@ class GpuhubKernel(IPythonKernel):
         spent, self._spent_tracker = self._spent_tracker, None
         if spent is not None:
             spent.close()  # its sentinel ends: pages the cell wrote are no longer held twice
+        self._probe_imports()
         if not self._arm_after_idle or self.replica is None or self.replica.closing:
             return
         self._arm_after_idle = False
@@ -509,6 +513,30 @@ class GpuhubKernel(IPythonKernel):
             log.exception("replica %d: arming the write tracker for the next cell failed", rep.id)
             return
         self._next_tracker = (rep.resident, tracker, known_digest)
+
+    def _probe_imports(self) -> None:
+        """GPU kernels: probe what the last cell's child imported; import it here once the probe
+        reports it safe (gpuhub/kernel/warm_imports.py), on this loop, so never during a fork."""
+        if self.import_warmer is None or (self.replica is not None and self.replica.closing):
+            return
+        try:
+            fd = self.import_warmer.start_probe()
+        except OSError:
+            log.exception("could not start an import probe")
+            return
+        if fd is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def reported() -> None:
+            loop.remove_reader(fd)
+            try:
+                self.import_warmer.probe_done()
+            except Exception:
+                log.exception("importing a cell's modules in the replica failed")
+            self._probe_imports()  # names offered meanwhile
+
+        loop.add_reader(fd, reported)
 
     def _warn_unreplicable(self, failed: dict[str, str]) -> None:
         """Warn once per value that cannot travel (not again every cell while it stays)."""
@@ -623,6 +651,7 @@ class GpuhubKernel(IPythonKernel):
                         done = msg[1]
                     elif kind == "image":
                         sent = msg[1]
+                        self.import_warmer.offer(sent.imported)
                         self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, replies)
@@ -701,6 +730,8 @@ class GpuhubKernel(IPythonKernel):
 
     def do_shutdown(self, restart):
         self._signal_cell(signal.SIGKILL)
+        if self.import_warmer is not None:
+            self.import_warmer.close()
         if not self.reaper.wait(timeout=10):  # give the last cell's grant back before leaving
             log.warning("the last GPU cell's process had not exited at shutdown; the agent expires its lease")
         if self.replica is not None:

@@ -319,3 +319,16 @@ def test_gpu_kernel_keeps_every_write_to_large_arrays(make_agent):
         assert out["stdout"].split() == ["5.0", "3.0", "(2,", f"{2 << 20})", "7.0", "1.0", "9", "3.0"]
     finally:
         kc.stop_channels()
+
+
+def test_modules_a_cell_imported_are_imported_by_the_replica_for_the_next_cells(gpu_kernel):
+    """The replica imports, between cells, what a cell's process imported (quietly: `this` prints
+    the Zen of Python at import), so the next cells' processes start with it
+    (gpuhub/kernel/warm_imports.py)."""
+    _, kc, _ = gpu_kernel
+    check = "import sys; print('this' in sys.modules)"
+    assert run(kc, check)[1]["stdout"] == "False\n"
+    reply, out = run(kc, "def f():\n    import this\nf()")  # imported, and no name in the namespace
+    assert reply["status"] == "ok" and "Beautiful is better than ugly." in out["stdout"]
+    wait_for(lambda: run(kc, check)[1] == {"stdout": "True\n", "stderr": "", "results": [], "errors": [],
+                                            "displays": []}, 30, "the replica to import the module")

@@ -135,3 +135,17 @@ def test_only_the_cells_child_holds_a_cuda_context_and_its_memory_is_freed(kerne
     # the kept tensor is still there, and back on the GPU in the next cell
     assert ok(kernel, "print(kept.device.type, int(kept.sum().item()))", timeout=120)["stdout"].split() == [
         "cuda", str(1 << 24)]
+
+
+def test_the_replica_imports_what_the_training_cell_imported_and_cuda_still_works(kernel, cluster):
+    """The first optimizer step in a process imports torch._dynamo (hundreds of modules): the
+    replica imports them after the cell (gpuhub/kernel/warm_imports.py), without initialising
+    CUDA, so later cells' processes start with them and still get the GPU."""
+    ok(kernel, SETUP, timeout=180)
+    ok(kernel, STEP, timeout=180)
+    count = ("import sys\nn = len(sys.modules)\nopt.zero_grad(); loss_fn(model(X), y).backward(); opt.step()\n"
+             "print(len(sys.modules) - n, next(model.parameters()).device.type)")
+    wait_for(lambda: ok(kernel, count, timeout=180)["stdout"].split() == ["0", "cuda"], 120,
+             "a training step to import nothing new")
+    holders = compute_pids(0)
+    assert not any(kernel.pid(r["id"]) in holders for r in kernel.record["replicas"])
