@@ -53,6 +53,8 @@ TRAINING = [SETUP, STEP, STEP, STEP]
 AFTER = ("p = next(model.parameters())\n"
          "print(opt.param_groups[0]['params'][0] is p, p.device.type, opt.state[p]['exp_avg'].device.type, "
          "repr(train(25)))")
+
+
 @pytest.fixture(scope="module")
 def gpus():
     inv = _nvml()
