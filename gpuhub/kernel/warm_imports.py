@@ -100,7 +100,9 @@ def _probe(names: list[str], fd: int) -> None:
         cuda = cuda_initialised()
         ok = import_quietly(names)
         report = {"ok": ok, "cuda": cuda_initialised() and not cuda, "threads": thread_count() - threads}
-        os.write(fd, json.dumps(report).encode())
+        data = memoryview(json.dumps(report).encode())
+        while data:
+            data = data[os.write(fd, data):]
     finally:
         os._exit(0)
 
