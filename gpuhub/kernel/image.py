@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import cloudpickle
 
 from gpuhub.kernel import devices, dirty, tensors
+from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
 """Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
@@ -224,11 +225,13 @@ def load(stream, buffers: list, namespace: dict | None = None) -> dict:
     ``namespace``: the one the values are for (:func:`install` them there next): notebook
     functions get it as their globals; without it they share a new dict."""
     if namespace is None:
-        return pickle.loads(stream, buffers=buffers)
+        with silenced():  # imports and unpickling code print nothing to the notebook (gpuhub/kernel/quiet.py)
+            return pickle.loads(stream, buffers=buffers)
     builtins = namespace.get("__builtins__")
     _loading.namespace = namespace
     try:
-        return pickle.loads(stream, buffers=buffers)
+        with silenced():
+            return pickle.loads(stream, buffers=buffers)
     finally:
         del _loading.namespace
         if builtins is not None:  # cloudpickle sets its own module's (a dict) on functions' globals

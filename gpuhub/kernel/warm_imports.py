@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import io
 import json
 import logging
 import os
 import signal
 import sys
 import time
-import warnings
+
+from gpuhub.kernel.quiet import silenced
 
 log = logging.getLogger("gpuhub.kernel")
 
@@ -76,10 +76,7 @@ def thread_count() -> int:
 def import_quietly(names: list[str]) -> list[str]:
     """Import ``names``; return those that imported. Nothing they print or warn reaches the notebook."""
     done = []
-    sink = io.StringIO()
-    # warnings too: the cell's own process showed them, as a plain kernel shows them, once
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with silenced():  # the cell's own process showed it, as a plain kernel shows it, once
         for name in names:
             if name in sys.modules:
                 done.append(name)

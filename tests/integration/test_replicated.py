@@ -469,3 +469,19 @@ def test_run_all_after_an_error_runs_nothing_after_it_on_any_replica(cpu_kernel)
     view = assert_equal_namespaces(cpu_kernel, ["a", "b", "c"])
     assert view["a"].endswith("1") and view["b"] is None and view["c"] is None
     assert ok(cpu_kernel, "print(a)")["stdout"] == "1\n"  # the kernel goes on
+
+
+@pytest.mark.parametrize("gpus", [0, 1], ids=["cpu", "gpu"])
+def test_what_an_import_prints_is_shown_once_as_by_a_plain_ipykernel(dev_cluster, gpus):
+    """`import this` prints the Zen of Python once. Every replica that loads the image imports
+    `this` again (the namespace refers to it), and a GPU kernel's replica imports what the cell's
+    process imported: none of that may reach the notebook (gpuhub/kernel/quiet.py)."""
+    zen = "Beautiful is better than ugly."
+    plain = plain_outputs(["import this", "x = 1"])
+    k = ReplicatedKernel(dev_cluster, gpus=gpus)
+    try:
+        first = ok(k, "import this")
+        assert first["stdout"] == plain[0] and first["stdout"].count(zen) == 1 and first["stderr"] == ""
+        assert ok(k, "x = 1") == {"stdout": plain[1], "stderr": "", "results": [], "errors": [], "displays": []}
+    finally:
+        k.close()
