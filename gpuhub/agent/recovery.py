@@ -77,9 +77,8 @@ def saved_leases(raw: list[dict]) -> list[Lease]:
     return out
 
 
-def live_leases(raw: list[dict], units: dict[str, UnitRecord]) -> list[Lease]:
+def live_leases(leases: list[Lease], units: dict[str, UnitRecord]) -> list[Lease]:
     """The saved leases whose holder unit is still known and whose holder process still runs."""
-    leases = (Lease.from_dict(d) for d in raw)
     return [lease for lease in leases if lease.holder in units and pid_alive(lease.holder_pid)]
 
 

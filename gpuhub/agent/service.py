@@ -107,12 +107,13 @@ class Agent:
         if self.config.unit_backend == "systemd":
             self.journals.open_parents()
         self.meter = UsageMeter.from_dict(data.get("usage"))
-        live = live_leases(data.get("leases", []), self.units)
+        saved = saved_leases(data.get("leases", []))
+        live = live_leases(saved, self.units)
         for lease in live:
             lease.user = lease.user or self.units[lease.holder].user  # leases saved before quotas
             lease.kernel_id = lease.kernel_id or self.units[lease.holder].kernel_id
             self.book.leases[lease.lease_id] = lease
-        ended = [le for le in saved_leases(data.get("leases", [])) if le.lease_id not in self.book.leases]
+        ended = [le for le in saved if le.lease_id not in self.book.leases]
         self._ended(ended, now=min(float(data.get("saved_at") or 0.0), time.time()))
         try:  # enforced from the start, not from the next heartbeat
             self.quota_gate.update(self.quota_store.load())

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import devices, dirty, tensors
+from gpuhub.kernel import dirty, tensors
 from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
@@ -152,7 +152,7 @@ class _Pickler(cloudpickle.Pickler):
                 offset = obj.__array_interface__["data"][0] - base.__array_interface__["data"][0]
                 if 0 <= offset <= base.nbytes:
                     return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
-        reduced = tensors.reduce_tensor(obj, self._storages) or devices.reduce_gpu_value(obj)
+        reduced = tensors.reduce_tensor(obj, self._storages)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)
@@ -219,19 +219,22 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     return Capture(stream, buffers, [known_digest(b) for b in buffers], list(image), failed)
 
 
+def _loads(stream, buffers: list):
+    with silenced():  # imports and unpickling code print nothing to the notebook (gpuhub/kernel/quiet.py)
+        return pickle.loads(stream, buffers=buffers)
+
+
 def load(stream, buffers: list, namespace: dict | None = None) -> dict:
     """The ``{name: value}`` an image holds; ``buffers`` supply its out-of-band buffers, in order
     (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py).
     ``namespace``: the one the values are for (:func:`install` them there next): notebook
     functions get it as their globals; without it they share a new dict."""
     if namespace is None:
-        with silenced():  # imports and unpickling code print nothing to the notebook (gpuhub/kernel/quiet.py)
-            return pickle.loads(stream, buffers=buffers)
+        return _loads(stream, buffers)
     builtins = namespace.get("__builtins__")
     _loading.namespace = namespace
     try:
-        with silenced():
-            return pickle.loads(stream, buffers=buffers)
+        return _loads(stream, buffers)
     finally:
         del _loading.namespace
         if builtins is not None:  # cloudpickle sets its own module's (a dict) on functions' globals

@@ -20,6 +20,8 @@ from __future__ import annotations
 import pickle
 import sys
 
+from gpuhub.kernel import devices
+
 
 class _Storage:
     """One storage's bytes: pickled once per image however many tensors use it (the pickle memo
@@ -62,11 +64,14 @@ def _plain_cpu_tensor(torch, obj) -> bool:
 
 
 def reduce_tensor(obj, storages: dict):
-    """A pickle reduction for a plain CPU tensor (None for anything else). ``storages``: one dict
-    per pickle, so that tensors sharing a storage share its :class:`_Storage`."""
+    """A pickle reduction for a tensor: a plain CPU tensor's storage out of band, a GPU tensor as
+    its host copy (gpuhub/kernel/devices.py); None for anything else, which pickles as usual.
+    ``storages``: one dict per pickle, so that tensors sharing a storage share its :class:`_Storage`."""
     torch = sys.modules.get("torch")  # never import torch here: a namespace without it has no tensors
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
+    if obj.is_cuda:
+        return devices.reduce_gpu_value(obj)
     try:
         if not _plain_cpu_tensor(torch, obj):
             return None

@@ -173,7 +173,8 @@ class ImportWarmer:
         if self._probe is not None:
             pid, read_fd, _, _ = self._probe
             self._probe = None
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                os.close(read_fd)
+            os.close(read_fd)
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)

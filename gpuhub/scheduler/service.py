@@ -173,6 +173,7 @@ class Scheduler:
     def live_leases(self) -> list[LiveLease]:
         """Every GPU lease the live servers reported in their last heartbeats, with its user."""
         out = []
+        by_unit: dict[str, KernelRecord] | None = None
         for rec in self.nodes.values():
             if not self.live(rec):
                 continue
@@ -180,10 +181,11 @@ class Scheduler:
                 try:
                     kernel_id = le.get("kernel_id") or ""
                     user = le.get("user") or ""
-                    if not user:  # an agent from before quotas: the user from the kernel's books
-                        m = re.match(r"^gpuhub-kernel-(.+)-r\d+$", str(le.get("holder", "")))
-                        kernel_id = m.group(1) if m else ""
-                        user = self.kernels[kernel_id].user if kernel_id in self.kernels else ""
+                    if not user:  # an agent from before quotas: the holder unit's kernel in the books
+                        if by_unit is None:
+                            by_unit = {r.unit: k for k in self.kernels.values() for r in k.replicas}
+                        k = by_unit.get(le.get("holder"))
+                        kernel_id, user = (k.kernel_id, k.user) if k else ("", "")
                     out.append(LiveLease(rec.name, user, kernel_id, len(le["gpus"]), float(le["granted_at"])))
                 except (AttributeError, KeyError, TypeError, ValueError):
                     continue  # not a lease; the agent's own view is what counts for its GPUs

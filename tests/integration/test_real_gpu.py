@@ -17,22 +17,13 @@ from __future__ import annotations
 import pytest
 
 from gpuhub.dev.cluster import DevCluster
-from gpuhub.gpus.nvml import NvmlInventory, NvmlUnavailable
+from gpuhub.gpus.nvml import NvmlInventory
 from tests.helpers import wait_for
 from tests.integration.test_replicated import ReplicatedKernel, executor_id, kill_replica, ok, plain_outputs
+from tests.unit.test_gpus import nvml_gpu_count
 
 torch = pytest.importorskip("torch")
-
-
-def _nvml() -> NvmlInventory | None:
-    try:
-        inv = NvmlInventory()
-    except NvmlUnavailable:
-        return None
-    return inv if inv.count() > 0 else None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_nvml() is None, reason="no NVIDIA GPU found by NVML")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(nvml_gpu_count() == 0, reason="no NVIDIA GPU found by NVML")]
 
 SETUP = """import torch
 torch.manual_seed(0)
@@ -57,8 +48,7 @@ AFTER = ("p = next(model.parameters())\n"
 
 @pytest.fixture(scope="module")
 def gpus():
-    inv = _nvml()
-    return inv.gpus()
+    return NvmlInventory().gpus()
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +67,12 @@ def kernel(cluster):
 
 
 def used_mib(index: int) -> float:
-    return _nvml().gpus()[index].memory_used_bytes / 2**20
+    return NvmlInventory().gpus()[index].memory_used_bytes / 2**20
 
 
 def compute_pids(index: int) -> set[int]:
     """Processes holding a CUDA context on GPU ``index`` (NVML)."""
-    return {p.pid for p in _nvml().gpus()[index].processes}
+    return {p.pid for p in NvmlInventory().gpus()[index].processes}
 
 
 def test_agents_serve_the_real_gpus(cluster, gpus):

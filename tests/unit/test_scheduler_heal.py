@@ -203,3 +203,17 @@ def test_a_heartbeat_with_a_usage_batch_that_cannot_be_counted_keeps_the_server_
     assert s.live(s.nodes["gpu1"])
     assert s.heartbeat({"node": "gpu1", "url": "http://gpu1:8601",
                         "usage": {"seq": 4, "weeks": {"2026-11-23": {"alice": 5}}}})["usage_ack"] == 4
+
+
+def test_a_lease_reported_without_its_user_is_counted_for_its_kernels_user(tmp_path):
+    """An agent from before quotas reports leases by holder unit only: the books name the user."""
+    s = scheduler_with(tmp_path, live=["gpu1"], lost=[])
+    s.kernels["k1"] = KernelRecord("k1", "alice", 1, [ReplicaRecord("gpu1", "gpuhub-kernel-k1-r0", {}, id=0)])
+    s.nodes["gpu1"].info["leases"] = [
+        {"holder": "gpuhub-kernel-k1-r0", "gpus": [0], "granted_at": 100.0},
+        {"holder": "gpuhub-kernel-gone-r0", "gpus": [1], "granted_at": 100.0},
+        {"user": "bob", "kernel_id": "k2", "holder": "x", "gpus": [2], "granted_at": 100.0},
+        "not a lease",
+    ]
+    assert [(le.user, le.kernel_id, le.gpus) for le in s.live_leases()] == [
+        ("alice", "k1", 1), ("", "", 1), ("bob", "k2", 1)]
