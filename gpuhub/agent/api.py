@@ -13,6 +13,7 @@ from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.quota_gate import QuotaRefused
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
+from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.http_server import (
     ApiError,
     JsonHandler,
@@ -23,9 +24,10 @@ from gpuhub.platform.schema import Body, invalid
 
 
 class AgentHandler(JsonHandler):
-    def initialize(self, agent: Agent, token: str) -> None:
+    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None) -> None:
         self.agent = agent
         self.token = token
+        self.scheduler_token = scheduler_token
 
     def require_admin(self) -> None:
         """Scheduler, hub and Prometheus hold the agent token."""
@@ -263,6 +265,27 @@ class LeaseHandler(AgentHandler):
         self.write_json({"lease_id": lease_id, "released": released})
 
 
+class MigrationHandler(AgentHandler):
+    async def post(self) -> None:
+        """A kernel's cell waits for GPUs none of its servers can grant: ask the scheduler, on its
+        behalf, to move one of its replicas to a server that can (gpuhub/scheduler/migration.py).
+        The kernel's lease token names the kernel; the scheduler's answer is passed on."""
+        unit = self.require_unit()
+        if unit.kind != "kernel" or not unit.kernel_id:
+            raise ApiError(400, f"unit {unit.name} is not a kernel replica")
+        if not self.agent.config.scheduler_url or not self.scheduler_token:
+            raise ApiError(409, f"server {self.agent.config.node_name} has no scheduler to ask")
+        url = f"{self.agent.config.scheduler_url.rstrip('/')}/api/v1/kernels/{unit.kernel_id}/migrate"
+        try:
+            _, answer = await call_json("POST", url, self.scheduler_token,
+                                        {"node": self.agent.config.node_name}, timeout=10)
+        except ApiClientError as exc:
+            if exc.status in (403, 404, 409):  # the scheduler's reason, for the notebook
+                raise ApiError(409, exc.message) from None
+            raise ApiError(502, f"cannot ask the scheduler: {exc.message}") from None
+        self.write_json(answer, 202)
+
+
 class QuotaViewHandler(AgentHandler):
     def get(self) -> None:
         """What this agent enforces: the scheduler's last quota view and its own unreported usage."""
@@ -272,8 +295,8 @@ class QuotaViewHandler(AgentHandler):
 
 
 class MetricsHandler(AgentHandler):
-    def initialize(self, agent: Agent, token: str) -> None:
-        super().initialize(agent, token)
+    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None) -> None:
+        super().initialize(agent, token, scheduler_token)
         self.registry = agent_registry(agent)
 
     def get(self) -> None:
@@ -282,8 +305,8 @@ class MetricsHandler(AgentHandler):
         self.finish(generate_latest(self.registry))
 
 
-def make_app(agent: Agent, token: str) -> Application:
-    args = {"agent": agent, "token": token}
+def make_app(agent: Agent, token: str, scheduler_token: str | None = None) -> Application:
+    args = {"agent": agent, "token": token, "scheduler_token": scheduler_token}
     return Application(
         [
             (r"/api/v1/node", NodeHandler, args),
@@ -292,6 +315,7 @@ def make_app(agent: Agent, token: str) -> Application:
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/peers", PeersHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
+            (r"/api/v1/migrations", MigrationHandler, args),
             (r"/api/v1/quota", QuotaViewHandler, args),
             (r"/metrics", MetricsHandler, args),
         ]

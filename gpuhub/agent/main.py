@@ -72,7 +72,7 @@ class AgentDaemon(Daemon):
         await self.agent.recover()
 
     def make_web_app(self):
-        return make_app(self.agent, self.secrets["agent"])
+        return make_app(self.agent, self.secrets["agent"], self.secrets.get("scheduler"))
 
     def listening_message(self) -> str:
         a = self.agent

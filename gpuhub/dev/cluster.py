@@ -26,7 +26,7 @@ from pathlib import Path
 import tomli_w
 
 from gpuhub.dev.portblocks import reserve_block
-from gpuhub.platform.http_client import ApiClientError, default_client
+from gpuhub.platform.http_client import ApiClientError, call_json, default_client
 
 
 def free_port() -> int:
@@ -289,6 +289,7 @@ class DevKernel:
     def __init__(self, cluster: DevCluster, gpus: int, replicas: int = 3, ready_timeout_s: float = 120) -> None:
         from jupyter_client import BlockingKernelClient
 
+        from gpuhub.server.regroup import GroupFollower
         from gpuhub.server.router import KernelRouter
 
         self.cluster = cluster
@@ -303,6 +304,7 @@ class DevKernel:
         self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
                                    self.key.encode())
         conn = self.loop.run(self.router.start())
+        GroupFollower(self.router, self._record_now)  # as the provisioner: a moving replica is followed
         self.kc = BlockingKernelClient()
         self.kc.load_connection_info({**conn, "key": self.key.encode()})
         self.kc.start_channels()
@@ -315,6 +317,12 @@ class DevKernel:
         r = self.replica(rid)
         _, unit = self.cluster.agent(r["node"]).call("GET", f"/api/v1/units/{r['unit']}")
         return unit["main_pid"]
+
+    async def _record_now(self) -> dict:
+        _, record = await call_json("GET", f"{self.cluster.scheduler.url}/api/v1/kernels/{self.kernel_id}",
+                                    self.cluster.user_token, timeout=10)
+        self.record = record
+        return record
 
     def refresh(self) -> dict:
         """Re-read the kernel from the scheduler and let the router follow it (the provisioner's poll)."""

@@ -27,11 +27,12 @@ from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import dirty
 from gpuhub.kernel import image as images
+from gpuhub.kernel.moves import MoveRequests
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
 from gpuhub.kernel.warm_imports import ImportWarmer
-from gpuhub.platform.messages import DISPATCH_NOTE
+from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
 from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
 log = logging.getLogger("gpuhub.kernel")
@@ -216,7 +217,11 @@ class GpuhubKernel(IPythonKernel):
             self._forget_note(cell)
         if ran is not None:
             return ran
-        started, attempt, told, backoff = time.monotonic(), 0, None, 0.1
+        started, told, backoff = time.monotonic(), None, 0.1
+        # A replica handed the cell late (it joined the group while the cell waited) goes straight
+        # to the attempt the others are at.
+        attempt = rep.next_attempt(cell, -1)
+        moves = MoveRequests(self.lease_client)
         while True:
             asked = time.monotonic()
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
@@ -245,7 +250,8 @@ class GpuhubKernel(IPythonKernel):
             if self._quota_refusal is not None:  # no replica can run it, and this one's agent said why
                 return self._ended_without_result(
                     rep.abort(cell, attempt, "quota", self._quota_refusal, self.shell.execution_count + 1))
-            # Every replica's server is busy. Until migration exists, wait (bounded) and say so.
+            # Every replica's server is busy: one replica moves to a server that can grant
+            # (docs/architecture.md, "Migration"), or the cell waits (bounded) and says so.
             waited = time.monotonic() - started
             if self._interrupted.is_set() or waited >= self.grant_timeout_s:
                 if self._interrupted.is_set():
@@ -257,14 +263,25 @@ class GpuhubKernel(IPythonKernel):
                     rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
             election = rep.state.elections.get((cell, attempt))
             announcer = min(election.proposals) if election and election.proposals else rep.id
-            if announcer == rep.id and (told is None or waited - told >= 30):
-                nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
-                sys.stderr.write(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
-                                 f"({nodes}); waited {waited:.0f} s…\n")
-                sys.stderr.flush()
-                told = waited
-            self._interrupted.wait(backoff)
-            backoff = min(backoff * 2, 2.0)
+            if announcer == rep.id:
+                # a move takes a replica out of the group for a while: only a whole group can afford it
+                target = moves.ask(waited) if rep.group_whole() else None
+                if target is not None and target != moves.told:
+                    sys.stderr.write(f"[gpuhub] waiting for a GPU: moving this kernel to {target}…\n")
+                    sys.stderr.flush()
+                    # the router fetches the new group now, to hand this cell to the new replica
+                    self.session.send(self.iopub_socket, GROUP_CHANGE, {"target": target},
+                                      parent=self.get_parent("shell"), ident=b"gpuhub_group_change")
+                    moves.told, told = target, waited
+                elif told is None or waited - told >= 30:
+                    nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
+                    sys.stderr.write(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
+                                     f"({nodes}); waited {waited:.0f} s…\n")
+                    sys.stderr.flush()
+                    told = waited
+            if grant is None:  # a replica whose LEAD came after the attempt was decided tries again at once
+                rep.wait_for_later_attempt(cell, attempt, backoff, self._interrupted)
+                backoff = min(backoff * 2, 2.0)
             attempt = rep.next_attempt(cell, attempt)
 
     async def _run_under_lease(self, rep, cell, code, silent, store_history, user_expressions, allow_stdin,

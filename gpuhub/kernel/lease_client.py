@@ -72,6 +72,18 @@ class LeaseClient:
             raise QuotaExceeded(str(body.get("error", "over the GPU quota")))
         raise LeaseError(f"the GPU agent refused the lease: {body.get('error', status)}")
 
+    def request_migration(self) -> tuple[str | None, str]:
+        """Ask (through the agent, which asks the scheduler) to move a replica of this kernel to a
+        server that can grant its GPUs now: (the target server, "") when a move is under way, or
+        (None, why not) when no server can take it now."""
+        try:
+            status, body = self._call("POST", "/api/v1/migrations", {})
+        except LeaseError as exc:
+            return None, str(exc)
+        if status == 202 and isinstance(body.get("target"), str):
+            return body["target"], ""
+        return None, str(body.get("error", f"HTTP {status}"))
+
     def release(self, grant: Lease) -> None:
         for attempt in range(3):
             try:

@@ -308,6 +308,24 @@ class Replica:
         with self.state.changed:
             return max(attempt + 1, self.state.latest_attempt(cell))
 
+    def group_whole(self) -> bool:
+        """Whether this replica reaches every other member of its group now (Raft connections)."""
+        return all(self.raft.connected(p.raft) for p in self.peers.values() if p.id != self.id)
+
+    def wait_for_later_attempt(self, cell: str, attempt: int, timeout_s: float, interrupted) -> None:
+        """Wait ``timeout_s`` before the next attempt at ``cell``, less when another replica has
+        begun a later one (one that joined the group may be able to run it), when the cell ended,
+        or when ``interrupted`` (a threading.Event) is set."""
+        deadline = time.monotonic() + timeout_s
+        while not interrupted.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with self.state.changed:
+                if self.state.latest_attempt(cell) > attempt or cell in self.state.outcomes:
+                    return
+                self.state.changed.wait(min(left, 0.1))
+
     # --- 1'. the executor lease: most cells need no election -----------------------------
     def lease(self, cell: str) -> tuple[CellOutcome | None, int | None, bool]:
         """What this replica's log says of ``cell`` now: its outcome if it ended, the lease holder

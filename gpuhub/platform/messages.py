@@ -1,6 +1,6 @@
 """What gpuhub adds to the Jupyter messaging protocol between a kernel's router (gpuhub/server)
-and its replicas (gpuhub/kernel). Clients never see these: the router signs and sends them, and
-drops the status messages a replica publishes while it takes one.
+and its replicas (gpuhub/kernel). Clients never see these: the router signs and sends the notes,
+drops the status messages a replica publishes while it takes one, and keeps group changes to itself.
 
 ``gpuhub_dispatch_request``, a *dispatch note*, content ``{"cell": msg_id, ...}`` about one
 execute_request (the cell), sent only when not every replica gets every cell:
@@ -10,6 +10,13 @@ execute_request (the cell), sent only when not every replica gets every cell:
   that cell, so it must catch up before it acts on the executor lease;
 - ``"to": [replica ids]``, on control just after the cell, to the replicas that got it, when some
   did not: a lease holder that did not get the cell cannot run it, so the others elect another.
+
+``gpuhub_group_change``, published by a replica on iopub (parent: the waiting cell), content
+``{"target": server}``: the scheduler is moving one of the kernel's replicas to ``server`` for a
+cell none of its servers can grant (docs/architecture.md, "Migration"). The router asks the
+scheduler for the new group at once instead of at its next poll, so that it hands the waiting cell
+to the new replica as soon as that one is up.
 """
 
 DISPATCH_NOTE = "gpuhub_dispatch_request"
+GROUP_CHANGE = "gpuhub_group_change"

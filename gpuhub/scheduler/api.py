@@ -20,6 +20,7 @@ from gpuhub.platform.http_server import (
 from gpuhub.platform.schema import Body, invalid
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.metrics import scheduler_registry
+from gpuhub.scheduler.migration import NoMigrationTarget
 from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import Scheduler
 
@@ -155,6 +156,29 @@ class KernelHandler(SchedulerHandler):
         self.write_json({"stopped": kernel_id})
 
 
+class MigrateRequest(Body):
+    """POST /api/v1/kernels/<kernel>/migrate: sent by the agent of one of the kernel's servers."""
+
+    node: str
+
+
+class KernelMigrateHandler(SchedulerHandler):
+    async def post(self, kernel_id: str) -> None:
+        """A cell of the kernel waits for a GPU that none of its servers can grant: move a replica
+        (202 and the target), or 409 and why not (the cell keeps waiting)."""
+        self.require_admin()
+        body = self.parse_body(MigrateRequest)
+        try:
+            answer = await self.scheduler.migrate(kernel_id, body.node)
+        except KeyError:
+            raise ApiError(404, f"no kernel {kernel_id}") from None
+        except PermissionError as exc:
+            raise ApiError(403, str(exc)) from None
+        except NoMigrationTarget as exc:
+            raise ApiError(409, str(exc)) from None
+        self.write_json(answer, 202)
+
+
 class QuotasHandler(SchedulerHandler):
     async def get(self) -> None:
         """Admins: every user's GPU-hours this week and limits; a user (their JupyterHub token): their own."""
@@ -211,6 +235,7 @@ def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Applic
         (r"/api/v1/nodes/([A-Za-z0-9_.-]+)/drain", NodeDrainHandler, args),
         (r"/api/v1/kernels", KernelsHandler, args),
         (r"/api/v1/kernels/([a-z0-9-]+)", KernelHandler, args),
+        (r"/api/v1/kernels/([a-z0-9-]+)/migrate", KernelMigrateHandler, args),
         (r"/api/v1/quota", QuotasHandler, args),
         (r"/api/v1/quota/([^/]{1,255})", QuotaHandler, args),
         (r"/api/v1/quota/([^/]{1,255})/extra", QuotaExtraHandler, args),

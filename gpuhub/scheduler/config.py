@@ -24,6 +24,9 @@ class SchedulerConfig(Configurable):
     node_timeout_s = Float(30.0, config=True, help="A node with no heartbeat this long is counted lost.")
     replica_dead_grace_s = Float(10.0, min=0.0, config=True,
                                  help="A replica whose unit has been dead this long on a live node is replaced.")
+    migration_interval_s = Float(10.0, min=0.0, config=True,
+                                 help="A kernel moves a replica at most once in this many seconds (a cell waiting "
+                                      "for a GPU asks again after that if the last move did not help).")
     quota_default = Dict(config=True,
                          help="Limits for every user without an entry in quota_users, e.g. {gpus = 2, "
                               "gpu_hours_per_week = 30}; empty: none (docs/quotas.md).")

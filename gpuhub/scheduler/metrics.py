@@ -16,6 +16,17 @@ def kernel_start_histogram() -> Histogram:
                      buckets=KERNEL_START_BUCKETS, registry=None)
 
 
+MIGRATION_BUCKETS = (0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+
+
+def migration_histogram() -> Histogram:
+    """How long moving a replica for a waiting cell took: its replacement started on the target and
+    the group told (the cell starts once the replacement has caught up and won the election)."""
+    return Histogram("gpuhub_scheduler_migration_seconds",
+                     "Seconds to move a replica of a kernel whose cell waits for a GPU to a server that can grant",
+                     buckets=MIGRATION_BUCKETS, registry=None)
+
+
 class SchedulerCollector:
     def __init__(self, scheduler) -> None:
         self.s = scheduler
@@ -29,10 +40,11 @@ class SchedulerCollector:
         g.add_metric(["lost"], len(s.nodes) - live)
         yield g
         yield from s.kernel_start.collect()
+        yield from s.migration_time.collect()
         g = GaugeMetricFamily("gpuhub_scheduler_kernels", "Kernels placed")
         g.add_metric([], len(s.kernels))
         yield g
-        for key in ("placements", "placement_failures", "replacements"):
+        for key in ("placements", "placement_failures", "replacements", "migrations", "migration_failures"):
             c = CounterMetricFamily(f"gpuhub_scheduler_{key}", f"Kernel {key.replace('_', ' ')}")
             c.add_metric([], s.counters[key])
             yield c

@@ -16,7 +16,8 @@ from pathlib import Path
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.scheduler.config import SchedulerConfig
-from gpuhub.scheduler.metrics import kernel_start_histogram
+from gpuhub.scheduler.metrics import kernel_start_histogram, migration_histogram
+from gpuhub.scheduler.migration import Move, NoMigrationTarget, choose_target, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.scheduler.quotas import LiveLease, QuotaPolicy, Quotas, UsageLedger
 
@@ -27,6 +28,8 @@ REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
 # Unit states of a replica that is not running and will not come back by itself (systemd's
 # Restart= shows "activating" while it restarts one; "gone": the agent no longer has the unit).
 DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
+# A migration asks at most this many candidate servers whether they can still grant.
+MIGRATION_CANDIDATES = 3
 
 
 def replica_unit(kernel_id: str, replica_id: int) -> str:
@@ -107,8 +110,13 @@ class Scheduler:
         self.kernels: dict[str, KernelRecord] = {}
         self.path = Path(config.state_dir) / "books.json"
         self.store = JsonStore(self.path)  # 0600: the books hold kernel keys
-        self.counters = {"placements": 0, "placement_failures": 0, "replacements": 0}
+        self.counters = {"placements": 0, "placement_failures": 0, "replacements": 0, "migrations": 0,
+                         "migration_failures": 0}
         self.kernel_start = kernel_start_histogram()
+        self.migration_time = migration_histogram()
+        self._moves: dict[str, str] = {}  # kernel -> the server a replica of it is moving to now
+        self._last_migration: dict[str, float] = {}  # kernel -> when its last migration began (monotonic)
+        self._tasks: set[asyncio.Task] = set()  # migrations under way
         self.started = time.time()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
@@ -349,6 +357,8 @@ class Scheduler:
             return  # after a restart every node gets one heartbeat period before it counts as lost
         now = time.time()
         for record in list(self.kernels.values()):
+            if record.kernel_id in self._moves:
+                continue  # a migration changes its group now
             if record.peers_pending:
                 await self._resend_peers(record)
             lost = [(r, why) for r in record.replicas if (why := self.why_lost(r, now))]
@@ -385,15 +395,24 @@ class Scheduler:
             except PlacementError as exc:
                 self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {exc}")
                 return
+            if not await self._move_replica(record, rep, target.name, why):
+                return
+
+    async def _move_replica(self, record: KernelRecord, rep: ReplicaRecord, target: str, why: str) -> bool:
+        """Replace ``rep`` by a new replica on ``target``: start it, put it in the books in ``rep``'s
+        place, stop ``rep`` if its server is there, and tell the group (a Raft membership change:
+        the new replica catches up from its peers). False, with a note, when the new one did not start."""
+        self._moves[record.kernel_id] = target
+        try:
             new_id = max(r.id for r in record.replicas) + 1
             try:
-                new = await self._start_replica(record, new_id, target.name, record.key, record.cwd)
+                new = await self._start_replica(record, new_id, target, record.key, record.cwd)
             except ApiClientError as exc:
-                self._note(record, f"starting a replacement for replica {rep.id} on {target.name} failed: {exc}")
-                return
+                self._note(record, f"starting a replacement for replica {rep.id} on {target} failed: {exc}")
+                return False
             if self.kernels.get(record.kernel_id) is not record:  # shut down meanwhile
                 await self._stop_replica(new)
-                return
+                return False
             record.replicas = [r for r in record.replicas if r is not rep] + [new]
             record.peers_pending = True
             self.counters["replacements"] += 1
@@ -404,6 +423,98 @@ class Scheduler:
             if self.node_live(rep.node):
                 await self._stop_replica(rep)  # its unit's files and journal on a node that is still there
             await self._resend_peers(record)
+            return True
+        finally:
+            self._moves.pop(record.kernel_id, None)
+
+    # --- migration: a waiting cell's kernel moves to a server that can grant (docs/architecture.md) --------
+    async def migrate(self, kernel_id: str, asking_node: str) -> dict:
+        """A cell of ``kernel_id`` waits because none of its servers can grant its GPUs (its agent on
+        ``asking_node`` asks on its behalf). Begin moving one replica to a server that can grant
+        now and answer at once: ``{"target", "replica", "moving"}``; the move runs in the background
+        (the new replica joins the group and, once the router hands it the waiting cell, runs it).
+
+        KeyError: no such kernel. PermissionError: ``asking_node`` holds none of its replicas.
+        NoMigrationTarget: no server can take it now (the cell keeps waiting; ask again later)."""
+        record = self.kernels.get(kernel_id)
+        if record is None:
+            raise KeyError(kernel_id)
+        if not any(r.node == asking_node for r in record.replicas):
+            raise PermissionError(f"server {asking_node} holds no replica of kernel {kernel_id}")
+        moving = self._moves.get(kernel_id)
+        if moving:
+            return {"target": moving, "moving": True, "started": False}
+        if moving is not None:
+            raise NoMigrationTarget("a server for it is being chosen")
+        if record.peers_pending:
+            raise NoMigrationTarget("the kernel's last group change is still being sent to its replicas")
+        now = time.time()
+        if any(self.why_lost(r, now) for r in record.replicas):
+            raise NoMigrationTarget("a replica of the kernel is lost and is being replaced first")
+        last = self._last_migration.get(kernel_id)
+        if last is not None and time.monotonic() - last < self.config.migration_interval_s:
+            raise NoMigrationTarget(f"the kernel moved less than {self.config.migration_interval_s:g} s ago")
+        self._moves[kernel_id] = ""  # one move at a time, from now on: the choice awaits the agents
+        try:
+            # Moving a replica takes it out of the group for a while: with another one down, the
+            # group would lose its majority. Every unit must be running, as its agent says now.
+            await asyncio.gather(*(self._refresh_state(r) for r in record.replicas))
+            down = [r for r in record.replicas if r.state != "active"]
+            if down:
+                raise NoMigrationTarget(f"replica {down[0].id} on {down[0].node} is {down[0].state}; "
+                                        "a kernel moves only while all its replicas run")
+            move = await self._fresh_move(record)
+        except BaseException:
+            self._moves.pop(kernel_id, None)
+            raise
+        rep = next(r for r in record.replicas if r.id == move.replica)
+        self._last_migration[kernel_id] = time.monotonic()
+        self._moves[kernel_id] = move.target.name
+        log.info("kernel %s: no server of its replicas can grant %d GPU(s): moving replica %d from %s to %s",
+                 kernel_id, record.gpus, rep.id, rep.node, move.target.name)
+        task = asyncio.ensure_future(self._migrate(record, rep, move.target.name))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return {"target": move.target.name, "replica": rep.id, "moving": True, "started": True}
+
+    async def _fresh_move(self, record: KernelRecord) -> Move:
+        """The move the policy (gpuhub/scheduler/migration.py) makes, with each candidate server's
+        counts asked of its agent now (heartbeats may be seconds old): the best target that can
+        still grant. NoMigrationTarget when none can."""
+        views = {v.name: v for v in self.node_views()}
+        placed = [(r.id, views[r.node]) for r in record.replicas if r.node in views]
+        moves = plan_move(list(views.values()), placed, record.gpus, self.config.max_subscription_ratio)
+        checked = 0
+        for move in moves:
+            if checked == MIGRATION_CANDIDATES:
+                break
+            checked += 1
+            node = self.nodes[move.target.name]
+            try:
+                _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
+            except ApiClientError as exc:
+                log.warning("migration: server %s did not answer: %s", node.name, exc)
+                continue
+            node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
+            view = next(v for v in self.node_views() if v.name == node.name)
+            if choose_target([view], record.gpus, len(record.replicas), self.config.max_subscription_ratio,
+                             exclude=[r.node for r in record.replicas]):
+                return Move(move.replica, move.source, view)
+        raise NoMigrationTarget(f"none of the {checked} server(s) that had {record.gpus} idle GPU(s) "
+                                "can grant them now")
+
+    async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:
+        started = time.monotonic()
+        try:
+            moved = await self._move_replica(record, rep, target, f"a cell waits for a GPU; {target} has one")
+        except Exception:  # a background task: say what went wrong, never lose it silently
+            log.exception("kernel %s: moving replica %d to %s failed", record.kernel_id, rep.id, target)
+            moved = False
+        if moved:
+            self.counters["migrations"] += 1
+            self.migration_time.observe(time.monotonic() - started)
+        else:
+            self.counters["migration_failures"] += 1
 
     async def _resend_peers(self, record: KernelRecord) -> None:
         try:
@@ -425,6 +536,7 @@ class Scheduler:
 
     async def delete_kernel(self, kernel_id: str) -> bool:
         record = self.kernels.pop(kernel_id, None)
+        self._last_migration.pop(kernel_id, None)
         if record is None:
             return False
         for rep in record.replicas:

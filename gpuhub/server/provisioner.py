@@ -22,6 +22,7 @@ from traitlets import Float, Integer, Unicode
 
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
+from gpuhub.server.regroup import GroupFollower, routable
 from gpuhub.server.router import KernelRouter
 
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"
@@ -93,6 +94,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
         if self._router is None:
             self._router = KernelRouter(replicas, key.encode(), log=self.log, name=self.kernel_id)
             self._client_conn = await self._router.start()
+            GroupFollower(self._router, self._kernel_record)
         else:  # a restart: same router and ports, fresh replicas
             for r in replicas:
                 self._router.replace_replica(r)
@@ -140,6 +142,10 @@ class GpuhubProvisioner(KernelProvisionerBase):
                                        timed_out=True) from None
             raise
 
+    async def _kernel_record(self) -> dict:
+        _, record = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=10)
+        return record
+
     async def poll(self) -> int | None:
         if self._record is None:
             return 0
@@ -152,8 +158,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             result = None if running > len(status["replicas"]) // 2 else 1  # a majority keeps it working
             if result is None and self._router is not None:
                 # The scheduler may have replaced a replica whose node was lost: route to the new one.
-                self._router.set_replicas([{"id": r["id"], **r["connection"]} for r in status["replicas"]
-                                           if r.get("connection")])
+                self._router.set_replicas(routable(status))
         except ApiClientError as exc:
             result = 1 if exc.status == 404 else None  # scheduler unreachable: assume alive, ask again later
         self._last_poll = (now, result)

@@ -48,6 +48,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -57,7 +58,7 @@ import zmq.asyncio
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
-from gpuhub.platform.messages import DISPATCH_NOTE
+from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
 
 DELIM = b"<IDS|MSG>"
 PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -251,6 +252,9 @@ class KernelRouter:
         self._started_at = 0.0
         self._majority_ready_at: float | None = None
         self._order = asyncio.Lock()  # forwarding shell requests: one decision at a time
+        # Called (on the loop) with the target server when a replica says the scheduler is moving
+        # one of the replicas (GROUP_CHANGE): the provisioner then fetches the new group at once.
+        self.on_group_change: Callable[[str], None] | None = None
 
     # ---------------------------------------------------------------- public API
 
@@ -809,6 +813,11 @@ class KernelRouter:
                 self._heard_from(rep)
                 await self._check_open()
                 await self._hand_running(rep)
+            return
+        if mtype == GROUP_CHANGE:  # for the router only (gpuhub/platform/messages.py)
+            target = msg.content().get("target")
+            if isinstance(target, str) and self.on_group_change is not None:
+                self.on_group_change(target[:255])
             return
         parent_id = msg.parent_id
         if parent_id in self._notes:

@@ -1,0 +1,102 @@
+"""Migration: a cell whose kernel's servers are all busy runs on a server that can grant, once,
+with the kernel's state (scheduler, agents with fake GPUs, replica processes, the router and a
+real Jupyter client; docs/architecture.md, "Migration")."""
+
+from __future__ import annotations
+
+from gpuhub.platform.http_client import default_client
+from tests.integration.test_replicated import (
+    assert_equal_namespaces,
+    eventually,
+    executor_node,
+    ok,
+    one_gpu_kernel_on_four_nodes,
+    spare_node,
+    take_the_gpu,
+)
+
+
+def scheduler_metrics(cluster) -> str:
+    resp = default_client().request("GET", cluster.scheduler.url + "/metrics", token=cluster.scheduler.token,
+                                    timeout=30)
+    assert resp.status == 200
+    return resp.data.decode()
+
+
+def run_collecting(kernel, code: str, timeout: float = 120) -> tuple[dict, dict]:
+    streams = {"stdout": "", "stderr": ""}
+
+    def on_output(msg):
+        if msg["msg_type"] == "stream":
+            streams[msg["content"]["name"]] += msg["content"]["text"]
+
+    reply = kernel.kc.execute_interactive(code, timeout=timeout, output_hook=on_output)
+    return reply["content"], streams
+
+
+def test_a_cell_whose_servers_are_all_busy_moves_to_a_free_server_and_runs_once_with_its_state(tmp_path):
+    with one_gpu_kernel_on_four_nodes(tmp_path) as (cluster, kernel):
+        runs = tmp_path / "runs.txt"
+        ok(kernel, "import numpy as np\nbig = np.arange(2_000_000, dtype=np.float64)\nx = 41\n"
+                   "class Box:\n    pass\nbox = Box(); box.items = [big, big]")
+        placed = {r["node"] for r in kernel.record["replicas"]}
+        spare = spare_node(cluster, kernel)
+        for node in placed:  # other users' cells hold every GPU of the kernel's three servers
+            take_the_gpu(cluster.agent(node), f"hog{node[-1]}")
+
+        reply, streams = run_collecting(kernel, (
+            f"open({str(runs)!r}, 'a').write('ran\\n')\n"
+            "x += 1\nimport os\nprint(os.environ['GPUHUB_NODE'], x, float(big.sum()), box.items[0] is box.items[1])"))
+
+        assert reply["status"] == "ok", (reply, streams)
+        assert f"[gpuhub] waiting for a GPU: moving this kernel to {spare}…" in streams["stderr"], streams
+        assert "all busy" not in streams["stderr"], streams  # one status line, not two
+        assert streams["stdout"].split() == [spare, "42", str(float(sum(range(2_000_000)))), "True"], streams
+        assert runs.read_text() == "ran\n"  # exactly once, although three replicas had the cell
+
+        record = kernel.refresh()
+        nodes = {r["node"] for r in record["replicas"]}
+        assert spare in nodes and len(nodes) == 3
+        rids = tuple(r["id"] for r in record["replicas"])
+        eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids)["x"] == "42", 60, "every replica at x = 42")
+        assert executor_node(kernel) == spare  # sticky: the next cell runs where the GPU is
+        _, nodes_body = cluster.scheduler_call("GET", "/api/v1/nodes", token=cluster.scheduler.token)
+        assert any(n["node"] == spare and n["kernel_replicas"] == 1 for n in nodes_body["nodes"])
+        metrics = scheduler_metrics(cluster)
+        assert "gpuhub_scheduler_migrations_total 1.0" in metrics, metrics
+
+
+def test_with_no_free_server_the_cell_waits_and_says_so_then_runs_where_a_gpu_frees(tmp_path):
+    with one_gpu_kernel_on_four_nodes(tmp_path) as (cluster, kernel):
+        ok(kernel, "y = 1")
+        hogs = [(agent, *take_the_gpu(agent, f"hog{agent.name[-1]}")) for agent in cluster.agents]
+        stderr: list[str] = []
+
+        def on_output(msg):  # every server is busy: nothing to move to; a GPU frees later
+            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
+                stderr.append(msg["content"]["text"])
+                if "waiting for 1 GPU(s)" in msg["content"]["text"] and hogs:
+                    while hogs:
+                        agent, token, lease_id = hogs.pop()
+                        agent.call("DELETE", f"/api/v1/leases/{lease_id}", token=token)
+
+        reply = kernel.kc.execute_interactive("y += 1", timeout=120, output_hook=on_output)
+        assert reply["content"]["status"] == "ok", (reply["content"], stderr)
+        assert "moving this kernel" not in "".join(stderr), stderr
+        assert assert_equal_namespaces(kernel, ["y"])["y"] == "2"
+        metrics = scheduler_metrics(cluster)
+        assert "gpuhub_scheduler_migrations_total 0.0" in metrics
+
+
+def test_the_scheduler_refuses_a_migration_asked_by_a_server_without_a_replica(tmp_path):
+    with one_gpu_kernel_on_four_nodes(tmp_path) as (cluster, kernel):
+        spare = spare_node(cluster, kernel)
+        status, body = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
+                                              {"node": spare}, token=cluster.scheduler.token)
+        assert status == 403 and "holds no replica" in body["error"], body
+        status, body = cluster.scheduler_call("POST", "/api/v1/kernels/no-such/migrate", {"node": spare},
+                                              token=cluster.scheduler.token)
+        assert status == 404, body
+        status, body = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
+                                              {"node": spare})  # a user's token is not an agent's
+        assert status == 401, body
