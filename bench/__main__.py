@@ -12,7 +12,7 @@ import sys
 BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated": "bench.replicated_bench",
            "lease": "bench.lease_bench", "dirty": "bench.dirty_bench", "start": "bench.start_bench",
            "lab-start": "bench.lab_start_bench", "digest": "bench.digest_bench",
-           "gpu": "bench.gpu_bench"}
+           "gpu": "bench.gpu_bench", "migration": "bench.migration_bench"}
 
 
 def main(argv: list[str]) -> int:

@@ -107,6 +107,28 @@ class AgentProcess:
                 pids.append(pid)
         return pids
 
+    def hold_gpu(self, holder: str, timeout_s: float = 10.0) -> tuple[str, str]:
+        """Another user's cell holds one of this node's GPUs: a kernel unit ``holder`` (never run
+        as a kernel by anyone) takes a lease. Waits for a GPU to free (the last cell of a kernel
+        gives its own back just after its reply). Returns (lease token, lease id) for the DELETE."""
+        from gpuhub.agent.units import ProcessRunner
+
+        name = f"gpuhub-kernel-{holder}-r0"
+        status, unit = self.call("POST", "/api/v1/units", {
+            "name": name, "kind": "kernel", "user": current_user(), "gpus": 1, "cwd": os.getcwd(),
+            "kernel": {"key": "k", "kernel_id": holder}})
+        if status != 201:
+            raise RuntimeError(f"agent {self.name} refused the holder unit: {unit}")
+        token = ProcessRunner(str(self.dir / "run"), 0).read_env(name)["GPUHUB_LEASE_TOKEN"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, lease = self.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
+            if status == 200:
+                return token, lease["lease_id"]
+            if status != 409 or time.monotonic() > deadline:
+                raise RuntimeError(f"agent {self.name} granted no GPU to {holder}: {lease}")
+            time.sleep(0.05)
+
     def unit_log_tail(self, name: str, lines: int = 20) -> str:
         """The end of a unit's output, where the process backend keeps it (``<runtime_dir>/logs``)."""
         try:

@@ -222,6 +222,7 @@ class GpuhubKernel(IPythonKernel):
         # to the attempt the others are at.
         attempt = rep.next_attempt(cell, -1)
         moves = MoveRequests(self.lease_client)
+        group = set(rep.peers)  # a change during this cell: a replica moved for it (a migration)
         while True:
             asked = time.monotonic()
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
@@ -273,6 +274,8 @@ class GpuhubKernel(IPythonKernel):
                     self.session.send(self.iopub_socket, GROUP_CHANGE, {"target": target},
                                       parent=self.get_parent("shell"), ident=b"gpuhub_group_change")
                     moves.told, told = target, waited
+                elif told is None and set(rep.peers) != group:
+                    told = waited  # the replica that asked for the move (it left or stayed) said so
                 elif told is None or waited - told >= 30:
                     nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
                     sys.stderr.write(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "

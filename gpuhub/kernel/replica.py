@@ -233,7 +233,7 @@ class Replica:
         self.blob_server.stop()
 
     # --- membership: the scheduler replaced a lost replica ----------------------------
-    def watch_peers(self, path: str, interval_s: float = 1.0) -> None:
+    def watch_peers(self, path: str, interval_s: float = 0.25) -> None:
         """Follow the peers file: when the scheduler replaces a replica (its node was lost) it
         rewrites every replica's file; the Raft leader then removes the old member and adds the
         new one, which catches up from a snapshot plus the log (pysyncobj)."""
@@ -246,11 +246,14 @@ class Replica:
         while not self._closing.wait(interval_s):
             try:
                 self.reload_peers()
-                if self.raft.is_leader:
+                # One change at a time (remove, then add), each as soon as the last committed: a
+                # cell may be waiting for the new member (a migration).
+                while self.raft.is_leader and not self._closing.is_set():
                     done = self.raft.change_membership(
                         {p.raft for p in self.peers.values() if p.id != self.id})
-                    if done:
-                        log.info("replica %d (leader): membership change committed: %s", self.id, done)
+                    if not done:
+                        break
+                    log.info("replica %d (leader): membership change committed: %s", self.id, done)
             except Exception as exc:
                 log.warning("replica %d: membership update failed (will retry): %s", self.id, exc)
 

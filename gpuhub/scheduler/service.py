@@ -420,9 +420,11 @@ class Scheduler:
             self.save()
             log.info("kernel %s: replica %d replaced (%s) by replica %d on %s",
                      record.kernel_id, rep.id, why, new.id, new.node)
-            if self.node_live(rep.node):
-                await self._stop_replica(rep)  # its unit's files and journal on a node that is still there
+            # The group first (its leader swaps the members at once; a cell may wait for the new
+            # one), then the old unit, its files and journal, on a node that is still there.
             await self._resend_peers(record)
+            if self.node_live(rep.node):
+                await self._stop_replica(rep)
             return True
         finally:
             self._moves.pop(record.kernel_id, None)

@@ -19,12 +19,11 @@ import pytest
 from jupyter_client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
 
-from gpuhub.agent.units import ProcessRunner
-from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
+from gpuhub.dev.cluster import DevCluster, DevKernel
 from gpuhub.replication import blobclient
 from gpuhub.replication.digest import digest
 from tests.helpers import wait_for
-from tests.integration.test_gpu_cells import SLOW_EXIT, committed_soon, run, wait_for_output
+from tests.integration.test_gpu_cells import SLOW_EXIT, run, wait_for_output
 
 
 def string_form(inspected: str) -> str:
@@ -162,16 +161,7 @@ def test_unpicklable_value_warns_and_the_kernel_goes_on(cpu_kernel):
 
 def take_the_gpu(agent, kernel_id: str) -> tuple[str, str]:
     """Another kernel on ``agent`` holds its GPU: returns (lease token, lease id)."""
-    name = f"gpuhub-kernel-{kernel_id}-r0"
-    status, unit = agent.call("POST", "/api/v1/units", {
-        "name": name, "kind": "kernel", "user": current_user(), "gpus": 1, "cwd": os.getcwd(),
-        "kernel": {"key": "k", "kernel_id": kernel_id}})
-    assert status == 201, unit
-    token = ProcessRunner(str(agent.dir / "run"), 0).read_env(name)["GPUHUB_LEASE_TOKEN"]
-    committed_soon(agent)  # the kernel's last cell gives its GPU back just after its reply
-    status, lease = agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
-    assert status == 200, lease
-    return token, lease["lease_id"]
+    return agent.hold_gpu(kernel_id)
 
 
 def executor_node(kernel) -> str:
