@@ -479,6 +479,26 @@ def hold_every_gpu(cluster, node: str) -> str:
     return name
 
 
+def every_gpu_node_heartbeats(cluster) -> None:
+    """Wait until every GPU node's agent answers and has heartbeated to the scheduler since (a
+    test may have powered a node off and on again): only then is a new kernel placed on any."""
+    nodes = cluster.groups["gpu_nodes"]
+
+    def agents_up():
+        try:
+            return all(node_info(cluster, n) for n in nodes)
+        except requests.RequestException:
+            return False
+    assert wait_for(agents_up, 120, interval=2), "not every GPU node's agent answers"
+    back = time.time()
+
+    def heartbeated_since():  # the scheduler's view of every node is fresh, as `gpuhub nodes` shows it
+        listing = json.loads(cluster.exec(cluster.groups["hub"][0], "/opt/gpuhub/venv/bin/gpuhub", "nodes", "--json"))
+        seen = {n["node"]: n["last_seen"] for n in listing["nodes"] if n["live"]}
+        return all(seen.get(n, 0) > back for n in nodes)
+    assert wait_for(heartbeated_since, 60, interval=1), "not every GPU node heartbeated to the scheduler"
+
+
 def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
     """Runs last, on a fresh kernel. Real systemd, real power cut:
     1. a replica killed by a signal is restarted in place by systemd and the kernel goes on;
@@ -490,21 +510,8 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
     if len(nodes) < 4:
         pytest.skip("needs a spare GPU node: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
     env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
-
-    def agents_up():
-        try:
-            return all(node_info(cluster, n) for n in nodes)
-        except requests.RequestException:
-            return False
     # The test before restarts a powered-off node: place this kernel only once every node is back.
-    assert wait_for(agents_up, 120, interval=2), "not every GPU node's agent answers"
-    back = time.time()
-
-    def heartbeated_since():  # the scheduler's view of every node is fresh, as `gpuhub nodes` shows it
-        listing = json.loads(cluster.exec(cluster.groups["hub"][0], "/opt/gpuhub/venv/bin/gpuhub", "nodes", "--json"))
-        seen = {n["node"]: n["last_seen"] for n in listing["nodes"] if n["live"]}
-        return all(seen.get(n, 0) > back for n in nodes)
-    assert wait_for(heartbeated_since, 60, interval=1), "not every GPU node heartbeated to the scheduler"
+    every_gpu_node_heartbeats(cluster)
     kid = alice.start_kernel("gpuhub-gpu1")
     channel = alice.kernel(kid)
     hogs: list[tuple[str, str]] = []
