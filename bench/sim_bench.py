@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="E1 with a tenth of the sessions, one run"
     )
     p.add_argument("--skip-e1", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_args([] if argv is None else argv)  # `python -m bench sim` passes none
     if args.quick:
         args.e1_sessions //= 10
         args.runs = 1
@@ -193,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -118,15 +118,17 @@ def _status_commands(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the scheduler's answer as JSON, for scripts")
     q.set_defaults(func=lambda args: status.run("quota", args, status.quota, users_too=True))
     node = sub.add_parser("node", help="take a server out of service for maintenance, or put it back")
-    node.add_argument("action", choices=("drain", "undrain"),
-                      help="drain: no new kernels there, and its kernels' replicas move to other servers")
-    node.add_argument("node", help="the server's name, as gpuhub nodes shows it")
+    node.add_argument("action", choices=("list", "drain", "undrain"),
+                      help="list: as `gpuhub nodes`; drain: no new kernels there, and its kernels' replicas move "
+                           "to other servers (a running GPU cell finishes first)")
+    node.add_argument("node", nargs="?", help="drain, undrain: the server's name, as gpuhub nodes shows it")
     node.add_argument("--wait", action="store_true", help="drain: wait until no kernel replica runs there")
     node.add_argument("--timeout", type=float, default=600, help="--wait: give up after this many seconds")
     node.add_argument("--config", default=status.DEFAULT_CONFIG,
                       help=f"the scheduler's settings: its address and token (default {status.DEFAULT_CONFIG})")
     node.add_argument("--json", action="store_true", help="print the server's entry as JSON, for scripts")
-    node.set_defaults(func=lambda args: status.run("node " + args.action, args, status.drain))
+    node.set_defaults(func=lambda args: status.run("node " + args.action, args,
+                                                   status.nodes if args.action == "list" else status.drain))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,18 +87,22 @@ def age(since: float | None, now: float) -> str:
 def nodes(sched: Scheduler, args=None) -> tuple[dict, str]:
     body = sched.get("/api/v1/nodes")
     now = time.time()
-    rows = [(n["node"], ("yes" if n["live"] else "NO") + (", drained" if n.get("drained") else ""),
-             n.get("gpu_count") or 0, n.get("pending") or 0, n.get("committed") or 0, n.get("units") or 0,
+    rows = [(n["node"], n.get("state") or (("active" if n["live"] else "lost")
+                                           + (", drained" if n.get("drained") else "")),
+             f"{n.get('committed') or 0}/{n.get('gpu_count') or 0}", n.get("pending") or 0,
+             n.get("kernel_replicas") or 0, f"{n.get('subscription_ratio') or 0:.2f}", n.get("units") or 0,
              n.get("gpu_backend"), n.get("version") or "?", age(n.get("last_seen"), now))
             for n in body["nodes"]]
-    return body, table(("node", "live", "gpus", "pending", "committed", "units", "backend", "version", "seen"),
-                       rows)
+    return body, table(("node", "state", "busy/gpus", "pending", "replicas", "ratio", "units", "backend", "version",
+                        "seen"), rows)
 
 
 def drain(sched: Scheduler, args) -> tuple[dict, str]:
     """``gpuhub node drain|undrain NODE``: the scheduler's flag; with --wait, until the server runs
     no kernel replica any more (each kernel's replica there is moved, one kernel at a time)."""
     drained = args.action == "drain"
+    if not args.node:
+        raise StatusError(f"{args.action} needs the server's name: gpuhub node {args.action} NODE", 2)
     try:
         view = sched.call("PUT", f"/api/v1/nodes/{args.node}/drain", {"drained": drained})
     except StatusError as exc:

@@ -240,14 +240,30 @@ class Scheduler:
         ]
 
     def nodes_view(self) -> list[dict]:
+        placed: dict[str, list[KernelRecord]] = {}
+        for k in self.kernels.values():
+            for rep in k.replicas:
+                placed.setdefault(rep.node, []).append(k)
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen, "drained": r.drained,
-             "kernel_replicas": sum(1 for k in self.kernels.values() for rep in k.replicas if rep.node == r.name),
+             "state": self.node_state(r, len(placed.get(r.name, ()))),
+             "kernel_replicas": len(placed.get(r.name, ())),
+             # each kernel's GPUs once over this server's GPUs (pending / (GPUs x R) for R replicas each)
+             "subscription_ratio": round(sum(k.gpus / len(k.replicas) for k in placed.get(r.name, ()))
+                                         / r.info["gpu_count"], 3) if r.info.get("gpu_count") else 0.0,
              **{k: r.info.get(k)
                 for k in ("gpu_count", "pending", "committed", "gpu_backend", "roles", "units", "leases", "version",
                           "release")}}
             for r in self.nodes.values()
         ]
+
+    def node_state(self, rec: NodeRecord, replicas: int) -> str:
+        """active, draining (drained, replicas still there), drained, or lost (no heartbeat)."""
+        if not self.live(rec):
+            return "lost"
+        if rec.drained:
+            return "draining" if replicas else "drained"
+        return "active"
 
     # --- kernels ---------------------------------------------------------------
     async def create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int,
@@ -368,8 +384,20 @@ class Scheduler:
             # A drain moves one replica of a kernel per pass, and only a kernel with nothing lost and
             # its last group change sent, so each move is one membership change of a full group.
             draining = [r for r in record.replicas if self._drained(r.node)]
-            if draining and not record.peers_pending:
+            if draining and not record.peers_pending and not await self._runs_a_cell(draining[0]):
                 await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")])
+
+    async def _runs_a_cell(self, rep: ReplicaRecord) -> bool:
+        """Whether ``rep`` holds a GPU lease now (its GPU cell runs), as its agent says now: a drain
+        lets the cell finish before it moves the replica. (A CPU cell holds no lease.)"""
+        node = self.nodes.get(rep.node)
+        if node is None:
+            return False
+        try:
+            _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
+        except ApiClientError:
+            return False  # the server is going: heal replaces the replica when it is lost
+        return any(isinstance(le, dict) and le.get("holder") == rep.unit for le in info.get("leases") or ())
 
     def _note(self, record: KernelRecord, why: str) -> None:
         if self._heal_notes.get(record.kernel_id) != why:

@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep active nodes following demand (NotebookOS rule, every 30 s)",
     )
     r.add_argument(
+        "--no-migration",
+        action="store_true",
+        help="gpuhub: a cell whose replicas' servers are all busy waits instead of moving a replica",
+    )
+    r.add_argument(
+        "--migration-s",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="gpuhub: seconds a move takes before the cell starts (default: 3, see `python -m bench migration`)",
+    )
+    r.add_argument(
         "--closed-loop",
         action="store_true",
         help="submit a session's next cell a think time after the previous one actually ended",
@@ -151,7 +163,11 @@ def _run(args) -> int:
             closed_loop=args.closed_loop,
             batch_start_cost_s=args.batch_start_cost_s,
             record_timeline=bool(args.plot),
+            migration=not args.no_migration,
+            migration_s=args.migration_s,
         )
+        if args.migration_s < 0:
+            return _err("--migration-s must not be negative")
         if args.batch_start_cost_s < 0:
             return _err("--batch-start-cost-s must not be negative")
         try:

@@ -22,8 +22,11 @@ Policies (see docs/simulator.md for the full rules):
     nodes are added. A cell asks the ``LeaseBook`` of its replicas' nodes for an immediate grant,
     previous executor first, then the others in placement order; if none can grant, the cell waits
     until GPUs free on one of those nodes (waiters on a node are tried in arrival order, a cell that
-    fits may pass one that does not). Migration is not modelled yet (``migrations`` stays 0; see
-    :meth:`Simulator._migrate`).
+    fits may pass one that does not). Unless ``migration`` is off, a cell none of whose replicas'
+    nodes can grant moves one replica with the product's policy (gpuhub/scheduler/migration.py) to
+    a node that can, and starts there ``migration_s`` later (the new replica's start and catch-up;
+    the GPUs are held from the move on); a waiting cell asks again every ``migration_retry_s``, as
+    a kernel does.
 
 Within a session cells run one at a time, in submission order, as a kernel does.
 """
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from gpuhub.agent.leases import LeaseBook
+from gpuhub.scheduler.migration import NoMigrationTarget, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 
 from .trace import Session, Trace
@@ -50,6 +54,7 @@ _SESSION_END = 1
 _SESSION_START = 2
 _CELL_SUBMIT = 3
 _AUTOSCALE = 4
+_MIGRATE_RETRY = 5
 
 
 class SimError(ValueError):
@@ -72,6 +77,9 @@ class SimConfig:
     scale_buffer_hosts: int = 3
     scale_max_step: int = 2
     record_timeline: bool = False
+    migration: bool = True  # gpuhub: move a replica when none of a cell's nodes can grant
+    migration_s: float = 3.0  # a move's start + catch-up before the cell starts (bench migration)
+    migration_retry_s: float = 5.0  # a waiting cell asks for a move again this often (gpuhub/kernel/moves.py)
 
 
 @dataclass
@@ -392,6 +400,8 @@ class Simulator:
                 obj.trace_ended = True
                 if obj.done == obj.ncells:
                     self._finish(obj, t)
+            elif kind == _MIGRATE_RETRY:
+                self._retry_migration(obj, t)
             else:
                 self._autoscale(t)
             if progress is not None and ev % every == 0:
@@ -581,15 +591,52 @@ class Simulator:
         entry = (st, st.token)
         for node in st.replicas:
             node.waiters.append(entry)
+        if self.cfg.migration:
+            self._push(t + self.cfg.migration_retry_s, _MIGRATE_RETRY, entry)
 
     def _migrate(self, st: _SState, t: float) -> bool:
-        """Seam for replica migration (all replicas' nodes are full). Not modelled yet: the cell waits."""
-        return False
+        """None of the cell's replicas' nodes can grant: move one replica where the product's
+        policy would, and start the cell there after the move. False when no node can take it."""
+        cfg = self.cfg
+        if not cfg.migration:
+            return False
+        g = st.s.cells[st.queue[0][0]][2]
+        placed = [(i, self._view(node)) for i, node in enumerate(st.replicas)]
+        views = [self._view(n) for n in self.nodes if n.active]
+        try:
+            move = plan_move(views, placed, g, cfg.max_subscription_ratio)[0]
+        except NoMigrationTarget:
+            return False
+        i = move.replica
+        source, target = st.replicas[i], self.nodes[int(move.target.name[1:])]
+        source.book.unplace(f"{st.sid}/{i}")
+        target.book.place(f"{st.sid}/{i}", st.s.gpus)
+        source.view = target.view = None
+        st.replicas[i] = target
+        if st.executor is source:
+            st.executor = None
+        self.migrations += 1
+        self._start(st, t, target, target.book.grant(g, st.sid, t), delay=cfg.migration_s)
+        target.view = None
+        return True
 
-    def _start(self, st: _SState, t: float, node: _Node | None, lease) -> None:
+    def _retry_migration(self, entry: tuple, t: float) -> None:
+        st, token = entry
+        if st.token != token or not st.waiting:
+            return  # it started meanwhile
+        g = st.s.cells[st.queue[0][0]][2]
+        st.waiting = False
+        if self._migrate(st, t):
+            st.token += 1  # its entries in the old nodes' waiter lists are stale now
+            self.waiting_gpus -= g
+            return
+        st.waiting = True
+        self._push(t + self.cfg.migration_retry_s, _MIGRATE_RETRY, entry)
+
+    def _start(self, st: _SState, t: float, node: _Node | None, lease, delay: float = 0.0) -> None:
         k, submit = st.queue.popleft()
         _, dur, g = st.s.cells[k]
-        begin = t
+        begin = t + delay
         if self.cfg.policy == "batch":
             begin = t + self.cfg.batch_start_cost_s
         self.delays.append(begin - submit)

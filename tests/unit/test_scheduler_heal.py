@@ -217,3 +217,25 @@ def test_a_lease_reported_without_its_user_is_counted_for_its_kernels_user(tmp_p
     ]
     assert [(le.user, le.kernel_id, le.gpus) for le in s.live_leases()] == [
         ("alice", "k1", 1), ("", "", 1), ("bob", "k2", 1)]
+
+
+async def test_a_drain_lets_a_running_gpu_cell_finish_before_its_replica_moves(tmp_path, monkeypatch):
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
+    s.kernels["k1"] = record = kernel(["a", "b", "c"])
+    s.set_drained("a", True)
+    started, stopped = stub_agents(s, monkeypatch)
+    leases = [{"lease_id": "l1", "holder": "gpuhub-kernel-k1-r0", "gpus": [0]}]
+
+    async def agent(method, url, token, body=None, timeout=20.0):
+        assert (method, url) == ("GET", "http://a.invalid/api/v1/node")
+        return 200, {"leases": leases}
+
+    monkeypatch.setattr(service, "call_json", agent)
+    await s.heal()
+    assert started == [] and stopped == []  # its cell runs: it stays
+    leases.clear()
+    await s.heal()
+    assert started == ["d"] and stopped == ["a"]
+    assert {r.node for r in record.replicas} == {"b", "c", "d"}
