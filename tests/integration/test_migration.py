@@ -4,7 +4,12 @@ real Jupyter client; docs/architecture.md, "Migration")."""
 
 from __future__ import annotations
 
+import os
+import signal
+from queue import Empty
+
 from gpuhub.platform.http_client import default_client
+from tests.helpers import wait_for
 from tests.integration.test_replicated import (
     assert_equal_namespaces,
     eventually,
@@ -100,3 +105,38 @@ def test_the_scheduler_refuses_a_migration_asked_by_a_server_without_a_replica(t
         status, body = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
                                               {"node": spare})  # a user's token is not an agent's
         assert status == 401, body
+
+
+def test_a_move_whose_new_replica_dies_while_it_catches_up_still_runs_the_cell_once(tmp_path):
+    """The new replica on the target server is killed as soon as it starts (the server's power
+    went, or the process crashed): the group still has its majority, healing replaces the dead
+    newcomer, and the waiting cell runs once with its state; nothing is lost."""
+    with one_gpu_kernel_on_four_nodes(tmp_path, replica_dead_grace_s=1) as (cluster, kernel):
+        runs = tmp_path / "runs.txt"
+        ok(kernel, "import numpy as np\nbig = np.arange(1_000_000)\nx = 1")
+        placed = {r["node"] for r in kernel.record["replicas"]}
+        spare = spare_node(cluster, kernel)
+        for node in placed:
+            take_the_gpu(cluster.agent(node), f"hog{node[-1]}")
+        target = cluster.agent(spare)
+        msg_id = kernel.kc.execute(f"open({str(runs)!r}, 'a').write('ran\\n')\nx += 1\n"
+                                   "import os; print(os.environ['GPUHUB_NODE'], x, int(big.sum()))")
+
+        def newcomer_killed() -> bool:
+            pids = target.unit_pids()
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return bool(pids)
+        wait_for(newcomer_killed, 60, f"the new replica on {spare} to start", interval=0.02)
+
+        def replied():
+            kernel.refresh()  # the provisioner's poll: the router meets the newcomer's replacement
+            reply = kernel.kc.get_shell_msg(timeout=0.5)
+            return reply if reply["parent_header"].get("msg_id") == msg_id else None
+        reply = wait_for(replied, 120, "the cell's reply", interval=0.1, ignore=(Empty,))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert runs.read_text() == "ran\n"
+        record = kernel.refresh()
+        rids = tuple(r["id"] for r in record["replicas"])
+        assert spare in {r["node"] for r in record["replicas"]}
+        eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids)["x"] == "2", 60, "every replica at x = 2")
