@@ -77,14 +77,13 @@ def _find_cluster() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> Cluster:
+def load_cluster(ca_dir: Path) -> Cluster | str:
+    """The deployed cluster (see _find_cluster), or why there is none to use. ``ca_dir`` receives
+    the hub's certificate, which HTTPS clients verify against."""
     inv = _find_cluster()
     if inv is None:
-        pytest.skip(
-            "no deployed cluster: run `scripts/cluster.sh up NAME && scripts/cluster.sh deploy NAME` "
-            "(or `make test-cluster`) and set GPUHUB_CLUSTER=NAME"
-        )
+        return ("no deployed cluster: run `scripts/cluster.sh up NAME && scripts/cluster.sh deploy NAME` "
+                "(or `make test-cluster`) and set GPUHUB_CLUSTER=NAME")
     data = yaml.safe_load((inv / "hosts.yml").read_text())["all"]
     hosts = {h: v["ansible_host"] for h, v in data["hosts"].items()}
     containers = {h: v["gpuhub_container"] for h, v in data["hosts"].items()}
@@ -106,12 +105,19 @@ def cluster(tmp_path_factory) -> Cluster:
     ).stdout.split()
     missing = [ctr for ctr in containers.values() if ctr not in running]
     if missing:
-        pytest.skip(f"cluster {c.name} is not running ({', '.join(missing)} down): scripts/cluster.sh up {c.name}")
-    ca = tmp_path_factory.mktemp("tls") / "hub.crt"
+        return f"cluster {c.name} is not running ({', '.join(missing)} down): scripts/cluster.sh up {c.name}"
+    ca = ca_dir / "hub.crt"
     ca.write_text(c.exec(c.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt"))
     c.ca_file = str(ca)
     return c
 
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    found = load_cluster(tmp_path_factory.mktemp("tls"))
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
 
 
 @pytest.hookimpl(wrapper=True)
