@@ -8,7 +8,7 @@ to one object, references into other objects (``opt = SGD(model.parameters())`` 
 as gpuhub did before, silently gave every name its own copy.
 
 Large buffers (:data:`BUFFER_MIN_BYTES` or more: numpy arrays wherever they sit, DataFrame blocks,
-PyTorch tensors' storages)
+PyTorch tensors' storages, ``bytes`` and ``bytearray`` values bound to names)
 leave the stream out of band and are named by content digest. A buffer the group already has is
 neither copied nor sent again; with :mod:`gpuhub.kernel.dirty` it is not even hashed. So a cell
 costs what it changed in bytes, plus one pass over the namespace's small objects.
@@ -110,6 +110,27 @@ def _view_of(base, offset: int, shape: tuple, strides: tuple, dtype):
     return np.ndarray(shape, dtype=dtype, buffer=base, offset=offset, strides=strides)
 
 
+class _LargeBytes:
+    """Stands in the image for a large ``bytes`` or ``bytearray`` value bound to a name. pickle
+    writes both into the stream (it never asks ``reducer_override`` about bytes), so a 1 GiB one
+    was copied, hashed and sent with every cell's image, changed or not; this way it leaves out of
+    band like an array's buffer. (Large ones nested inside other values still go in the stream.)"""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes | bytearray) -> None:
+        self.value = value
+
+
+def _out_of_band_bytes(image: dict, min_buffer: int) -> None:
+    """Wrap the image's large ``bytes``/``bytearray`` values (one wrapper per object: names bound
+    to one value keep sharing it)."""
+    wrapped: dict[int, _LargeBytes] = {}
+    for name, value in image.items():
+        if type(value) in (bytes, bytearray) and len(value) >= min_buffer:
+            image[name] = wrapped.setdefault(id(value), _LargeBytes(value))
+
+
 class _NamespaceMarker:
     """Stands in a pickle for the captured namespace, where notebook functions have it as globals."""
 
@@ -152,6 +173,8 @@ class _Pickler(cloudpickle.Pickler):
                 offset = obj.__array_interface__["data"][0] - base.__array_interface__["data"][0]
                 if 0 <= offset <= base.nbytes:
                     return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
+        if type(obj) is _LargeBytes:  # loads as bytes(buffer) or bytearray(buffer): a copy of its own
+            return type(obj.value), (pickle.PickleBuffer(obj.value),)
         reduced = tensors.reduce_tensor(obj, self._storages)
         if reduced is not None:
             return reduced
@@ -187,6 +210,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     image = {name: ns[name] for name in names}
     if isinstance(image.get(OUT), dict):
         image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
+    _out_of_band_bytes(image, min_buffer)
     buffers: list[memoryview] = []
 
     def take(pb: pickle.PickleBuffer) -> bool:

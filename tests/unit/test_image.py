@@ -149,6 +149,16 @@ def test_large_buffers_leave_the_stream_and_known_digests_are_used():
     assert len(cap.stream) < 10_000
 
 
+def test_large_bytes_bound_to_names_leave_the_stream_and_names_sharing_one_keep_sharing_it():
+    big = bytes(range(256)) * 8192  # 2 MiB: pickle would write it into the stream
+    raw = bytearray(big)
+    ns = {"data": big, "alias": big, "raw": raw, "nested": [b"x" * 10]}
+    back, cap = roundtrip(ns)
+    assert sorted(b.nbytes for b in cap.buffers) == [len(big), len(raw)] and len(cap.stream) < 10_000
+    assert type(back["data"]) is bytes and back["data"] == big and back["alias"] is back["data"]
+    assert type(back["raw"]) is bytearray and back["raw"] == raw and back["nested"] == [b"x" * 10]
+
+
 # --- property: random object graphs ------------------------------------------------------------
 leaves = st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False),
                    st.builds(lambda n: np.arange(n, dtype=np.int64), st.integers(0, 40)))
