@@ -81,6 +81,8 @@ class NodeDrainHandler(SchedulerHandler):
             rec = self.scheduler.set_drained(node, body.drained)
         except KeyError:
             raise ApiError(404, f"no server named {node!r} has heartbeated to this scheduler") from None
+        except ValueError as exc:
+            raise ApiError(409, str(exc)) from None
         view = next(n for n in self.scheduler.nodes_view() if n["node"] == rec.name)
         self.write_json(view)
 

@@ -217,12 +217,25 @@ class Scheduler:
         """Drain a server (no new replicas; heal moves its replicas away, one per kernel at a time)
         or put it back in service. KeyError: no such server."""
         rec = self.nodes[name]
+        if drained and not rec.drained:
+            self._check_drainable(name)
         if rec.drained != drained:
             rec.drained = drained
             self.save()
             log.info("node %s %s", name, "drained: its replicas move to other servers" if drained
                      else "back in service")
         return rec
+
+    def _check_drainable(self, name: str) -> None:
+        """ValueError, naming a kernel, when draining ``name`` would leave one of the kernels there
+        nowhere to move its replica: fewer other schedulable servers than its replicas need."""
+        others = {v.name for v in self.node_views() if v.schedulable and v.name != name}
+        for k in self.kernels.values():
+            nodes = {r.node for r in k.replicas}
+            if name in nodes and not others - nodes:
+                raise ValueError(f"draining {name} would leave kernel {k.kernel_id} ({k.user}) no server to move "
+                                 f"its replica to: its other replicas hold every other schedulable server "
+                                 f"({len(others)}); add a server or undrain one first")
 
     def live(self, rec: NodeRecord) -> bool:
         return time.time() - rec.last_seen <= self.config.node_timeout_s

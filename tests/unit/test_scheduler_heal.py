@@ -239,3 +239,17 @@ async def test_a_drain_lets_a_running_gpu_cell_finish_before_its_replica_moves(t
     await s.heal()
     assert started == ["d"] and stopped == ["a"]
     assert {r.node for r in record.replicas} == {"b", "c", "d"}
+
+
+def test_draining_a_server_that_would_leave_a_kernel_nowhere_to_move_is_refused(tmp_path):
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=["d"])
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    try:
+        s.set_drained("a", True)
+    except ValueError as exc:
+        assert "kernel k1 (alice) no server to move its replica to" in str(exc)
+    else:
+        raise AssertionError("a drain with nowhere to go was accepted")
+    assert not s.nodes["a"].drained
+    s.nodes["d"].last_seen = time.time()  # a fourth server is back
+    assert s.set_drained("a", True).drained
