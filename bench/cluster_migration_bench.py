@@ -14,10 +14,11 @@ numpy).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from bench.migration_bench import row, table
 
 SIZES_MB = (100, 1024)
 TRIALS = {100: 3, 1024: 2}
@@ -33,7 +34,7 @@ def timed(channel) -> tuple[float, float, str, str]:
 
 
 def trial(cluster, alice, mb: int) -> tuple[float, float, float, float]:
-    from tests.cluster.test_e2e import hold_every_gpu, http_session, replica_units, wait_for
+    from tests.cluster.test_e2e import hold_every_gpu, let_go, replica_units, wait_for
 
     kid = alice.start_kernel("gpuhub-gpu1")
     channel = alice.kernel(kid)
@@ -51,8 +52,7 @@ def trial(cluster, alice, mb: int) -> tuple[float, float, float, float]:
         return local, start, total, local_reply
     finally:
         for node, name in hogs:
-            http_session(cluster).delete(f"{cluster.agent_url(node)}/api/v1/units/{name}", timeout=30,
-                                         headers={"Authorization": f"Bearer {cluster.agent_token}"})
+            let_go(cluster, node, name)
         channel.close()
         alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
 
@@ -74,25 +74,12 @@ def main() -> str:
         rows = []
         try:
             for mb in SIZES_MB:
-                results = [trial(cluster, alice, mb) for _ in range(TRIALS[mb])]
-                rows.append(f"| {mb} MB | {len(results)} | {statistics.median(r[0] for r in results) * 1000:.0f} ms | "
-                            f"{statistics.median(r[1] for r in results):.2f} s "
-                            f"(min {min(r[1] for r in results):.2f}, max {max(r[1] for r in results):.2f}) | "
-                            f"{statistics.median(r[3] for r in results):.2f} s | "
-                            f"{statistics.median(r[2] for r in results):.2f} s |")
+                rows.append(row(mb, [trial(cluster, alice, mb) for _ in range(TRIALS[mb])]))
         finally:
             alice.stop_server()
-    return "\n".join([
-        "### Migration on the podman test cluster: submit → cell start when every server of the kernel is busy",
-        "",
+    return table("Migration on the podman test cluster: submit → cell start when every server of the kernel is busy", [
         "Command: `GPUHUB_CLUSTER=e2e .venv/bin/python -m bench cluster-migration` (four GPU servers",
-        "with two fake GPUs each, one replica per container, through the hub's proxy).",
-        "",
-        "| state | trials | start, no move (p50) | start after a move (p50) | reply, no move (p50) "
-        "| reply after a move (p50) |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])
+        "with two fake GPUs each, one replica per container, through the hub's proxy)."], rows)
 
 
 if __name__ == "__main__":

@@ -68,32 +68,37 @@ def trial(cluster: DevCluster, mb: int) -> tuple[float, float, float, float]:
         kernel.close()
 
 
+def row(mb: int, results: list[tuple[float, float, float, float]]) -> str:
+    """One table row from trials of (start no move, start after a move, reply after, reply no move)."""
+    def median(i: int) -> float:
+        return statistics.median(r[i] for r in results)
+    return (f"| {mb} MB | {len(results)} | {median(0) * 1000:.0f} ms | {median(1):.2f} s "
+            f"(min {min(r[1] for r in results):.2f}, max {max(r[1] for r in results):.2f}) | "
+            f"{median(3):.2f} s | {median(2):.2f} s |")
+
+
+def table(title: str, command: list[str], rows: list[str]) -> str:
+    return "\n".join([
+        f"### {title}", "", *command, "",
+        "| state | trials | start, no move (p50) | start after a move (p50) | reply, no move (p50) "
+        "| reply after a move (p50) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ])
+
+
 def main() -> str:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mb in SIZES_MB:
             cluster = DevCluster(Path(tmp) / f"m{mb}", nodes=4, gpus_per_node=1).start()
             try:
-                results = [trial(cluster, mb) for _ in range(TRIALS[mb])]
+                rows.append(row(mb, [trial(cluster, mb) for _ in range(TRIALS[mb])]))
             finally:
                 cluster.stop()
-            local = statistics.median(r[0] for r in results)
-            moved = statistics.median(r[1] for r in results)
-            rows.append(f"| {mb} MB | {len(results)} | {local * 1000:.0f} ms | {moved:.2f} s "
-                        f"(min {min(r[1] for r in results):.2f}, max {max(r[1] for r in results):.2f}) | "
-                        f"{statistics.median(r[3] for r in results):.2f} s | "
-                        f"{statistics.median(r[2] for r in results):.2f} s |")
-    return "\n".join([
-        "### Migration: submit → cell start when every server of the kernel is busy",
-        "",
+    return table("Migration: submit → cell start when every server of the kernel is busy", [
         "Command: `.venv/bin/python -m bench migration` (development harness: four single-GPU fake",
-        "servers, one replica process per server, all on this machine).",
-        "",
-        "| state | trials | start, no move (p50) | start after a move (p50) | reply, no move (p50) "
-        "| reply after a move (p50) |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])
+        "servers, one replica process per server, all on this machine)."], rows)
 
 
 if __name__ == "__main__":

@@ -67,17 +67,38 @@ class Capture:
         return [(d, mv.nbytes, mv) for d, mv in zip(self.digests, self.buffers, strict=True)]
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (the stable buffer protocol), up to the fields read here."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+_release_buffer.restype = None
+
+
 def address_of(mv: memoryview) -> int:
-    """The address of a buffer's first byte (read-only ones too)."""
+    """The address of a buffer's first byte, read-only ones (a ``bytes`` value's) too. Without
+    numpy: a kernel's environment need not have it."""
     if not mv.readonly:
         c = ctypes.c_char.from_buffer(mv)
         try:
             return ctypes.addressof(c)
         finally:
             del c
-    import numpy as np  # a read-only out-of-band buffer comes from numpy (or a library that has it)
-
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+    view = _PyBuffer()
+    if _get_buffer(mv, ctypes.byref(view), 0) != 0:  # PyBUF_SIMPLE; raises (ctypes) on failure
+        raise BufferError("no buffer")
+    try:
+        return int(view.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(view))
 
 
 def track(resident: dict[str, memoryview], *, mode: str, sentinel: bool):

@@ -47,10 +47,16 @@ def _child_phases(forking: float, marks: dict[str, float], received: float) -> d
             "pipe": received - marks["sent"]}
 
 
+# A GPU cell's child that failed in gpuhub's own code (not the user's: that is the cell's error)
+CHILD_FAILED = 70  # EX_SOFTWARE
+
+
 def _describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         return f"was killed by signal {sig} ({signal.Signals(sig).name})"
+    if os.WEXITSTATUS(status) == CHILD_FAILED:
+        return "failed in gpuhub's code"
     return f"exited with status {os.WEXITSTATUS(status)}"
 
 
@@ -655,7 +661,8 @@ class GpuhubKernel(IPythonKernel):
             except BaseException:
                 import traceback
 
-                traceback.print_exc(file=sys.__stderr__)
+                traceback.print_exc(file=sys.__stderr__)  # the replica's log (journal)
+                os._exit(CHILD_FAILED)
             finally:
                 os._exit(0)
         os.close(out_w)
@@ -690,10 +697,18 @@ class GpuhubKernel(IPythonKernel):
         if counting:
             shell.history_manager.store_inputs(number, code)
         self._phases["history"] = time.monotonic() - storing
-        if done is None:
-            # The child died mid-cell: the namespace stays as it was before this cell.
-            return self._error_reply("CellProcessDied", f"the cell's process {_describe_status(status)}; "
-                                     "variables are as they were before this cell", count=not counting), None
+        if done is None or sent is None:
+            # The child died mid-cell, or it ran but its variables never came back (say so, rather
+            # than an "ok" whose changes are gone): the namespace stays as it was before this cell.
+            if done is None:
+                ename, what = "CellProcessDied", f"the cell's process {_describe_status(status)}"
+            else:
+                ename, what = "CellVariablesLost", (f"the cell ran, but its process {_describe_status(status)} "
+                                                    "before it handed back its variables (the reason is in "
+                                                    "the kernel's log)")
+            reply = self._error_reply(ename, f"{what}; variables are as they were before this cell", count=False)
+            reply["execution_count"] = number  # counted above, as IPython counts a failed cell
+            return reply, None
         done["execution_count"] = shell.execution_count - 1
         return done, sent
 

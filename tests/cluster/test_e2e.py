@@ -479,6 +479,12 @@ def hold_every_gpu(cluster, node: str) -> str:
     return name
 
 
+def let_go(cluster, node: str, name: str) -> None:
+    """Stop a unit ``hold_every_gpu`` started: its GPUs are free again."""
+    http_session(cluster).delete(f"{cluster.agent_url(node)}/api/v1/units/{name}", timeout=30,
+                                 headers={"Authorization": f"Bearer {cluster.agent_token}"})
+
+
 def every_gpu_node_heartbeats(cluster) -> None:
     """Wait until every GPU node's agent answers and has heartbeated to the scheduler since (a
     test may have powered a node off and on again): only then is a new kernel placed on any."""
@@ -550,8 +556,7 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
         assert (host, value) == (spare, "4"), f"expected the replacement on {spare} to run it with state 4: {out}"
     finally:
         for node, name in hogs:
-            http_session(cluster).delete(f"{cluster.agent_url(node)}/api/v1/units/{name}", timeout=30,
-                                         headers={"Authorization": f"Bearer {cluster.agent_token}"})
+            let_go(cluster, node, name)
         channel.close()
         alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
         if powered_off:

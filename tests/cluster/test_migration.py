@@ -11,7 +11,7 @@ from tests.cluster.test_e2e import (
     HubUser,
     every_gpu_node_heartbeats,
     hold_every_gpu,
-    http_session,
+    let_go,
     replica_units,
     wait_for,
 )
@@ -54,6 +54,5 @@ def test_a_cell_whose_servers_are_all_busy_runs_on_the_spare_server_after_a_move
             alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
     finally:
         for node, name in hogs:
-            http_session(cluster).delete(f"{cluster.agent_url(node)}/api/v1/units/{name}", timeout=30,
-                                         headers={"Authorization": f"Bearer {cluster.agent_token}"})
+            let_go(cluster, node, name)
         alice.stop_server()

@@ -262,8 +262,24 @@ def test_killed_cell_process_reports_error_and_keeps_namespace(gpu_kernel):
     run(kc, "x = 1")
     reply, out = run(kc, "import os, signal\nx = 2\nos.kill(os.getpid(), signal.SIGKILL)")
     assert reply["status"] == "error" and reply["ename"] == "CellProcessDied"
+    assert reply["execution_count"] == 2  # the cell's own number, as IPython counts a failed cell
     _, out = run(kc, "print(x)")
     assert out["stdout"].strip() == "1"
+
+
+def test_a_cell_whose_variables_cannot_be_handed_back_says_so_instead_of_ok(gpu_kernel):
+    """The cell ran in its child, but gpuhub failed to capture its namespace (here: a value whose
+    pickling raises a BaseException, which no per-name fallback catches). An "ok" would have lost
+    the cell's changes without a word."""
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    reply, out = run(kc, "class Boom:\n    def __reduce__(self):\n        raise KeyboardInterrupt\n"
+                         "x = 2\nb = Boom()\nprint('ran')")
+    assert out["stdout"] == "ran\n"
+    assert reply["status"] == "error" and reply["ename"] == "CellVariablesLost", reply
+    assert "variables are as they were before this cell" in reply["evalue"] and reply["execution_count"] == 2
+    reply, out = run(kc, "print(x, 'b' in dir())")
+    assert reply["status"] == "ok" and out["stdout"] == "1 False\n" and reply["execution_count"] == 3
 
 
 def test_shutdown_after_a_cell_gives_its_gpu_back(gpu_kernel):

@@ -202,6 +202,7 @@ def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):
     reply = gpu_kernel.kc.execute_interactive("a += 1", timeout=60, output_hook=on_output)
     assert reply["content"]["status"] == "ok", (reply["content"], stderr)
     assert "waiting for 1 GPU(s)" in "".join(stderr) and not hogs
+    assert "moving this kernel" not in "".join(stderr)  # no other server: no migration
     assert assert_equal_namespaces(gpu_kernel, ["a"])["a"].endswith("2")
 
 

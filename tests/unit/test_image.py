@@ -3,6 +3,7 @@ and load, as they do in a plain kernel's namespace (gpuhub/kernel/image.py)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -242,3 +243,13 @@ def test_finding_what_cannot_pickle_copies_no_large_buffer(monkeypatch):
     assert set(cap.failed) == {"lock"} and "big" in cap.names
     assert copied == []
     assert len(cap.buffers) == 2  # big and Out[1], out of band
+
+
+def test_the_address_of_a_read_only_buffer_needs_no_numpy(monkeypatch):
+    """A cluster's kernels may have no numpy: a large bytes value's buffer is read-only, and its
+    address (for the write tracker) came from numpy, which failed every GPU cell there."""
+    data = bytes(range(256)) * 8192
+    view = memoryview(data)
+    expected = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError now
+    assert images.address_of(view) == expected and images.address_of(view[10:]) == expected + 10
