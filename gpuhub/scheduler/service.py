@@ -506,6 +506,7 @@ class Scheduler:
             if down:
                 raise NoMigrationTarget(f"replica {down[0].id} on {down[0].node} is {down[0].state}; "
                                         "a kernel moves only while all its replicas run")
+            await self._check_all_busy(record)
             move = await self._fresh_move(record)
         except BaseException:
             self._moves.pop(kernel_id, None)
@@ -519,6 +520,24 @@ class Scheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return {"target": move.target.name, "replica": rep.id, "moving": True, "started": True}
+
+    async def _check_all_busy(self, record: KernelRecord) -> None:
+        """NoMigrationTarget unless every server of the kernel is too busy to grant its GPUs now,
+        as their agents say now: the ask comes with a lease token that user code can read, and a
+        move restarts a replica, so a kernel that is not waiting must not move at will."""
+        async def idle(rep: ReplicaRecord) -> int:
+            node = self.nodes.get(rep.node)
+            try:
+                _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
+            except (ApiClientError, AttributeError):
+                return 0  # unknown, or not answering: it cannot grant either
+            node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
+            return int(info.get("gpu_count", 0)) - int(info.get("committed", 0))
+
+        free = await asyncio.gather(*(idle(r) for r in record.replicas))
+        for rep, n in zip(record.replicas, free, strict=True):
+            if n >= record.gpus:
+                raise NoMigrationTarget(f"{rep.node} can grant {record.gpus} GPU(s) now ({n} idle): no need to move")
 
     async def _fresh_move(self, record: KernelRecord) -> Move:
         """The move the policy (gpuhub/scheduler/migration.py) makes, with each candidate server's

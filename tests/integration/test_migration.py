@@ -8,6 +8,7 @@ import os
 import signal
 from queue import Empty
 
+from gpuhub.agent.units import ProcessRunner
 from gpuhub.platform.http_client import default_client
 from tests.helpers import wait_for
 from tests.integration.test_replicated import (
@@ -71,9 +72,19 @@ def test_a_cell_whose_servers_are_all_busy_moves_to_a_free_server_and_runs_once_
         assert "gpuhub_scheduler_migrations_total 1.0" in metrics, metrics
 
 
-def test_the_scheduler_refuses_a_migration_asked_by_a_server_without_a_replica(tmp_path):
+def test_a_migration_is_refused_unless_a_replicas_server_asks_for_a_kernel_none_of_whose_servers_can_grant(
+        tmp_path):
     with one_gpu_kernel_on_four_nodes(tmp_path) as (cluster, kernel):
         spare = spare_node(cluster, kernel)
+        # User code can read its replica's lease token and ask its agent: nothing moves while a
+        # server of the kernel could grant (a move restarts a replica).
+        rep = kernel.record["replicas"][0]
+        agent = cluster.agent(rep["node"])
+        token = ProcessRunner(str(agent.dir / "run"), 0).read_env(rep["unit"])["GPUHUB_LEASE_TOKEN"]
+        status, body = agent.call("POST", "/api/v1/migrations", {}, token=token)
+        assert status == 409 and "can grant 1 GPU(s) now" in body["error"], body
+        status, body = agent.call("POST", "/api/v1/migrations", {}, token="not-a-token")
+        assert status == 401, body
         status, body = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
                                               {"node": spare}, token=cluster.scheduler.token)
         assert status == 403 and "holds no replica" in body["error"], body
