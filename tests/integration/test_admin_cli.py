@@ -42,6 +42,11 @@ def test_nodes_kernels_leases_and_versions(cluster):
         take_the_gpu(next(a for a in cluster.agents if a.name == node), "adminhog")
         config = config_of(cluster)
 
+        def seen_busy() -> bool:  # the scheduler knows the hog's lease from the node's next heartbeat
+            _, body = cluster.scheduler_call("GET", "/api/v1/nodes", token=cluster.scheduler.token)
+            return any(n["node"] == node and n["committed"] == 1 for n in body["nodes"])
+        wait_for(seen_busy, 30, f"the scheduler to see {node}'s GPU busy")
+
         nodes = gpuhub_cli("nodes", "--config", config)
         assert nodes.returncode == 0, nodes.stderr
         lines = nodes.stdout.splitlines()
