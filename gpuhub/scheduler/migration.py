@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,13 +36,13 @@ class Move:
 
 
 def choose_target(nodes: Sequence[NodeView], gpus: int, replicas: int, max_subscription_ratio: float,
-                  exclude: Sequence[str]) -> list[NodeView]:
-    """The servers that could take a replica of a kernel and grant its ``gpus`` now, best first."""
+                  exclude: Sequence[str], limit: int = 3) -> list[NodeView]:
+    """The best ``limit`` servers that could take a replica of a kernel and grant its ``gpus`` now,
+    best first (one pass over the servers, no sort of them all)."""
     excluded = set(exclude)
-    fits = [n for n in nodes if n.schedulable and n.name not in excluded and n.gpu_count >= gpus
-            and n.idle >= gpus and n.ratio_after(gpus, replicas) <= max_subscription_ratio]
-    fits.sort(key=lambda n: (n.idle - gpus, -n.pending, n.name))
-    return fits
+    fits = (n for n in nodes if n.schedulable and n.name not in excluded and n.gpu_count >= gpus
+            and n.idle >= gpus and n.ratio_after(gpus, replicas) <= max_subscription_ratio)
+    return heapq.nsmallest(limit, fits, key=lambda n: (n.idle - gpus, -n.pending, n.name))
 
 
 def choose_replica(placed: Sequence[tuple[int, NodeView]]) -> tuple[int, NodeView]:
@@ -58,15 +59,15 @@ def choose_replica(placed: Sequence[tuple[int, NodeView]]) -> tuple[int, NodeVie
 
 
 def plan_move(nodes: Sequence[NodeView], placed: Sequence[tuple[int, NodeView]], gpus: int,
-              max_subscription_ratio: float) -> list[Move]:
+              max_subscription_ratio: float, limit: int = 3) -> list[Move]:
     """The moves worth trying for a kernel whose cell needs ``gpus`` GPUs that none of its servers
-    (``placed``: replica id and server) can grant: one replica, each candidate target best first.
-    Raises NoMigrationTarget when there is none."""
+    (``placed``: replica id and server) can grant: one replica, up to ``limit`` candidate targets,
+    best first. Raises NoMigrationTarget when there is none."""
     if gpus < 1:
         raise NoMigrationTarget("a cell without GPUs never waits for a server")
     rid, source = choose_replica(placed)
     targets = choose_target(nodes, gpus, len(placed), max_subscription_ratio,
-                            exclude=[n.name for _, n in placed])
+                            exclude=[n.name for _, n in placed], limit=limit)
     if not targets:
         schedulable = [n for n in nodes if n.schedulable and n.name not in {p.name for _, p in placed}]
         free = [n for n in schedulable if n.idle >= gpus]

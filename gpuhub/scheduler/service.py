@@ -545,11 +545,10 @@ class Scheduler:
         still grant. NoMigrationTarget when none can."""
         views = {v.name: v for v in self.node_views()}
         placed = [(r.id, views[r.node]) for r in record.replicas if r.node in views]
-        moves = plan_move(list(views.values()), placed, record.gpus, self.config.max_subscription_ratio)
+        moves = plan_move(list(views.values()), placed, record.gpus, self.config.max_subscription_ratio,
+                          limit=MIGRATION_CANDIDATES)
         checked = 0
         for move in moves:
-            if checked == MIGRATION_CANDIDATES:
-                break
             checked += 1
             node = self.nodes[move.target.name]
             try:

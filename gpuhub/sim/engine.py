@@ -604,7 +604,7 @@ class Simulator:
         placed = [(i, self._view(node)) for i, node in enumerate(st.replicas)]
         views = [self._view(n) for n in self.nodes if n.active]
         try:
-            move = plan_move(views, placed, g, cfg.max_subscription_ratio)[0]
+            move = plan_move(views, placed, g, cfg.max_subscription_ratio, limit=1)[0]
         except NoMigrationTarget:
             return False
         i = move.replica
