@@ -326,7 +326,7 @@ class DevKernel:
         self.router = KernelRouter([{"id": r["id"], **r["connection"]} for r in self.record["replicas"]],
                                    self.key.encode())
         conn = self.loop.run(self.router.start())
-        GroupFollower(self.router, self._record_now)  # as the provisioner: a moving replica is followed
+        self.follower = GroupFollower(self.router, self._record_now)  # as the provisioner does
         self.kc = BlockingKernelClient()
         self.kc.load_connection_info({**conn, "key": self.key.encode()})
         self.kc.start_channels()
@@ -363,6 +363,7 @@ class DevKernel:
     def close(self) -> None:
         self.kc.stop_channels()
         try:
+            self.loop.run(self.follower.close())
             self.loop.run(self.router.stop())
         finally:
             self.loop.close()

@@ -241,16 +241,30 @@ class Scheduler:
         return time.time() - rec.last_seen <= self.config.node_timeout_s
 
     def node_views(self) -> list[NodeView]:
-        return [
-            NodeView(
-                name=r.name,
-                gpu_count=int(r.info.get("gpu_count", 0)),
-                pending=int(r.info.get("pending", 0)),
-                committed=int(r.info.get("committed", 0)),
-                schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained,
-            )
-            for r in self.nodes.values()
-        ]
+        return [self.node_view(r) for r in self.nodes.values()]
+
+    def node_view(self, r: NodeRecord) -> NodeView:
+        return NodeView(
+            name=r.name,
+            gpu_count=int(r.info.get("gpu_count", 0)),
+            pending=int(r.info.get("pending", 0)),
+            committed=int(r.info.get("committed", 0)),
+            schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained,
+        )
+
+    async def ask_node(self, name: str) -> dict | None:
+        """A server's state as its agent says it now (``GET /api/v1/node``), its GPU counts kept in
+        the books until the next heartbeat; None when it is unknown or does not answer."""
+        node = self.nodes.get(name)
+        if node is None:
+            return None
+        try:
+            _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
+        except ApiClientError as exc:
+            log.debug("server %s did not answer: %s", name, exc)
+            return None
+        node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
+        return info
 
     def nodes_view(self) -> list[dict]:
         placed: dict[str, list[KernelRecord]] = {}
@@ -403,12 +417,8 @@ class Scheduler:
     async def _runs_a_cell(self, rep: ReplicaRecord) -> bool:
         """Whether ``rep`` holds a GPU lease now (its GPU cell runs), as its agent says now: a drain
         lets the cell finish before it moves the replica. (A CPU cell holds no lease.)"""
-        node = self.nodes.get(rep.node)
-        if node is None:
-            return False
-        try:
-            _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
-        except ApiClientError:
+        info = await self.ask_node(rep.node)
+        if info is None:
             return False  # the server is going: heal replaces the replica when it is lost
         return any(isinstance(le, dict) and le.get("holder") == rep.unit for le in info.get("leases") or ())
 
@@ -526,12 +536,9 @@ class Scheduler:
         as their agents say now: the ask comes with a lease token that user code can read, and a
         move restarts a replica, so a kernel that is not waiting must not move at will."""
         async def idle(rep: ReplicaRecord) -> int:
-            node = self.nodes.get(rep.node)
-            try:
-                _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
-            except (ApiClientError, AttributeError):
+            info = await self.ask_node(rep.node)
+            if info is None:
                 return 0  # unknown, or not answering: it cannot grant either
-            node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
             return int(info.get("gpu_count", 0)) - int(info.get("committed", 0))
 
         free = await asyncio.gather(*(idle(r) for r in record.replicas))
@@ -547,21 +554,14 @@ class Scheduler:
         placed = [(r.id, views[r.node]) for r in record.replicas if r.node in views]
         moves = plan_move(list(views.values()), placed, record.gpus, self.config.max_subscription_ratio,
                           limit=MIGRATION_CANDIDATES)
-        checked = 0
         for move in moves:
-            checked += 1
-            node = self.nodes[move.target.name]
-            try:
-                _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
-            except ApiClientError as exc:
-                log.warning("migration: server %s did not answer: %s", node.name, exc)
+            if await self.ask_node(move.target.name) is None:
                 continue
-            node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
-            view = next(v for v in self.node_views() if v.name == node.name)
+            view = self.node_view(self.nodes[move.target.name])
             if choose_target([view], record.gpus, len(record.replicas), self.config.max_subscription_ratio,
                              exclude=[r.node for r in record.replicas]):
                 return Move(move.replica, move.source, view)
-        raise NoMigrationTarget(f"none of the {checked} server(s) that had {record.gpus} idle GPU(s) "
+        raise NoMigrationTarget(f"none of the {len(moves)} server(s) that had {record.gpus} idle GPU(s) "
                                 "can grant them now")
 
     async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:

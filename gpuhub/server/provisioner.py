@@ -38,6 +38,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
 
     _record: dict | None = None
     _router: KernelRouter | None = None
+    _follower: GroupFollower | None = None  # the router's, from its start on
     _client_conn: dict | None = None
     _last_poll: tuple[float, int | None] = (0.0, None)
     _deleted = False  # the scheduler was told to stop this kernel (kill, then cleanup, ask once)
@@ -94,7 +95,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
         if self._router is None:
             self._router = KernelRouter(replicas, key.encode(), log=self.log, name=self.kernel_id)
             self._client_conn = await self._router.start()
-            GroupFollower(self._router, self._kernel_record)
+            self._follower = GroupFollower(self._router, self._kernel_record)
         else:  # a restart: same router and ports, fresh replicas
             for r in replicas:
                 self._router.replace_replica(r)
@@ -199,6 +200,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             await self.kill()
             self._record = None
             if self._router is not None:
+                await self._follower.close()
                 await self._router.stop()
                 self._router = None
 
