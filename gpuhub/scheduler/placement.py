@@ -4,7 +4,10 @@ Rules (docs/architecture.md, oversubscription vocabulary, following NotebookOS):
 - never two replicas of one kernel on one node;
 - a node must have at least as many GPUs as the kernel asks for per cell;
 - admission: the node's subscription ratio after placing stays at or under ``max_subscription_ratio``;
-- least-loaded first: most idle GPUs now, then the lowest subscription ratio, then the name (stable).
+- least-loaded first: most idle GPUs now, then the lowest subscription ratio, then the name (stable);
+- or, with ``pack`` (an elastic pool runs, gpuhub/scheduler/pool.py), consolidate: the servers that
+  can grant the kernel's GPUs now, the fullest of them first (best fit), then the others; so the
+  pool's empty servers stay empty and can be lent.
 Placement never promises a grant: grants are the node agent's decision at cell time (D1).
 """
 
@@ -45,6 +48,7 @@ def place_replicas(
     max_subscription_ratio: float,
     exclude: Sequence[str] = (),
     count: int | None = None,
+    pack: bool = False,
 ) -> list[NodeView]:
     """Choose ``replicas`` distinct nodes for a kernel whose cells each need ``gpus`` GPUs.
 
@@ -65,5 +69,8 @@ def place_replicas(
             f"{len(live)} schedulable node(s), {len(big_enough)} with at least {gpus} GPU(s), "
             f"{len(admitted)} under the subscription ratio {max_subscription_ratio:g}"
         )
-    admitted.sort(key=lambda n: (-n.idle, n.ratio_after(gpus, replicas), n.name))
+    if pack:
+        admitted.sort(key=lambda n: (n.idle < gpus, n.idle if n.idle >= gpus else -n.idle, -n.pending, n.name))
+    else:
+        admitted.sort(key=lambda n: (-n.idle, n.ratio_after(gpus, replicas), n.name))
     return admitted[:count]

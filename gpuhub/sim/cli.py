@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from gpuhub.scheduler.pool import PoolSettings
+
 from .engine import POLICIES, SimConfig, SimError, simulate
 from .generate import GenConfig, generate, trace_stats
 from .report import (
@@ -65,10 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="admission cap on pending / (G * R) per node (default: 7.0, as NotebookOS)",
     )
     r.add_argument(
+        "--elastic",
+        action="store_true",
+        help="gpuhub: the product's elastic pool (gpuhub/scheduler/pool.py): lend servers it does not "
+        "need, acquire them back on demand",
+    )
+    r.add_argument(
         "--autoscale",
         action="store_true",
-        help="keep active nodes following demand (NotebookOS rule, every 30 s)",
+        help="the NotebookOS baseline: active nodes follow demand (every 30 s), replicas never move "
+        "for it",
     )
+    pool = PoolSettings()
+    r.add_argument("--pool-min-active", type=int, default=pool.min_active, metavar="N",
+                   help=f"--elastic: never fewer active servers (default: {pool.min_active})")
+    r.add_argument("--pool-max-active", type=int, default=pool.max_active, metavar="N",
+                   help="--elastic: never more active servers (default: 0, every one)")
+    r.add_argument("--pool-headroom-gpus", type=int, default=pool.headroom_gpus, metavar="N",
+                   help=f"--elastic: idle GPUs kept beyond the demand (default: {pool.headroom_gpus})")
+    r.add_argument("--pool-spare-servers", type=int, default=pool.spare_servers, metavar="N",
+                   help="--elastic: servers kept able to grant the largest request at once "
+                   f"(default: {pool.spare_servers})")
+    r.add_argument("--pool-release-after-s", type=float, default=pool.release_after_s, metavar="S",
+                   help="--elastic: a surplus lasts this long before a server drains "
+                   f"(default: {pool.release_after_s:g})")
+    r.add_argument("--acquire-s", type=float, default=30.0, metavar="S",
+                   help="--elastic: seconds from the acquire hook to a server taking work (default: 30)")
     r.add_argument(
         "--no-migration",
         action="store_true",
@@ -165,6 +189,12 @@ def _run(args) -> int:
             record_timeline=bool(args.plot),
             migration=not args.no_migration,
             migration_s=args.migration_s,
+            # the pool is the gpuhub policy's; the other policies run on the whole cluster
+            elastic=args.elastic and policy == "gpuhub",
+            pool=PoolSettings(min_active=args.pool_min_active, max_active=args.pool_max_active,
+                              headroom_gpus=args.pool_headroom_gpus, spare_servers=args.pool_spare_servers,
+                              release_after_s=args.pool_release_after_s),
+            acquire_s=args.acquire_s,
         )
         if args.migration_s < 0:
             return _err("--migration-s must not be negative")

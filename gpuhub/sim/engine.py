@@ -28,6 +28,13 @@ Policies (see docs/simulator.md for the full rules):
     the GPUs are held from the move on); a waiting cell asks again every ``migration_retry_s``, as
     a kernel does.
 
+``--elastic`` (gpuhub only) runs the product's elastic pool (gpuhub/scheduler/pool.py): every
+``pool_interval_s`` the pool's rule decides which servers are acquired (active ``acquire_s`` later,
+provisioned meanwhile), which drain (their idle replicas move with the placement rule onto servers
+that stay active; a running cell finishes first) and which, empty, are released. ``--autoscale`` is
+the NotebookOS baseline: it scales on demand but never moves a replica, so a server holding one
+replica of an idle session stays on.
+
 Within a session cells run one at a time, in submission order, as a kernel does.
 """
 
@@ -38,11 +45,12 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from gpuhub.agent.leases import LeaseBook
 from gpuhub.scheduler.migration import NoMigrationTarget, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
+from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError
 
 from .trace import Session, Trace
 
@@ -55,6 +63,8 @@ _SESSION_START = 2
 _CELL_SUBMIT = 3
 _AUTOSCALE = 4
 _MIGRATE_RETRY = 5
+_POOL = 6
+_ACQUIRED = 7
 
 
 class SimError(ValueError):
@@ -80,6 +90,11 @@ class SimConfig:
     migration: bool = True  # gpuhub: move a replica when none of a cell's nodes can grant
     migration_s: float = 3.0  # a move's start + catch-up before the cell starts (bench migration)
     migration_retry_s: float = 5.0  # a waiting cell asks for a move again this often (gpuhub/kernel/moves.py)
+    elastic: bool = False  # gpuhub: the product's elastic pool (gpuhub/scheduler/pool.py)
+    pool: PoolSettings = field(default_factory=PoolSettings)  # its settings (replicas/ratio: from above)
+    pool_interval_s: float = 10.0  # how often the pool decides (the scheduler's pool loop)
+    acquire_s: float = 30.0  # a lent server's acquire hook until its agent heartbeats
+    grant_timeout_s: float = 300.0  # a cell waiting longer fails for real (GPUHUB_GRANT_TIMEOUT_S)
 
 
 @dataclass
@@ -92,12 +107,15 @@ class SimResult:
     replicas: int
     max_subscription_ratio: float
     autoscale: bool
+    elastic: bool
     closed_loop: bool
     horizon_s: float
     gpu_hours_reserved: float
     gpu_hours_busy: float
     gpu_hours_committed: float
     gpu_hours_provisioned: float
+    gpu_hours_physical_limit: float
+    gpu_hours_saved_provisioned: float
     gpu_hours_saved_vs_reservation: float
     gpu_hours_saved_bound: float
     saved_frac_of_bound: float
@@ -108,7 +126,9 @@ class SimResult:
     delay_max_s: float
     frac_started_within_1s: float
     frac_started_within_10s: float
+    cells_over_grant_timeout: int
     migrations: int
+    replica_moves: int
     sessions_waited: int
     session_wait_max_s: float
     peak_committed_gpus: int
@@ -116,12 +136,14 @@ class SimResult:
     mean_active_nodes: float
     scale_outs: int
     scale_ins: int
+    servers_released: int
+    servers_acquired: int
     events: int
     # not in to_dict(): raw material for plots
     delays: array = field(default_factory=lambda: array("d"), repr=False)
     timeline: list = field(
         default_factory=list, repr=False
-    )  # (t, gpus held, active nodes)
+    )  # (t, gpus held, provisioned nodes)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -142,6 +164,25 @@ def peak_reserved_gpus(trace: Trace) -> int:
         level += g
         peak = max(peak, level)
     return peak
+
+
+def physical_limit_gpu_seconds(trace: Trace, gpus_per_node: int) -> float:
+    """The busy GPUs at each moment, packed into whole servers: no policy that binds GPUs only
+    while cells run (and keeps servers off otherwise) can provision less."""
+    points = []
+    for s in trace.sessions:
+        for t, d, g in s.cells:
+            if g and d > 0:
+                points.append((t, g))
+                points.append((t + d, -g))
+    points.sort()
+    total, level, last = 0.0, 0, None
+    for t, g in points:
+        if last is not None:
+            total += math.ceil(level / gpus_per_node) * gpus_per_node * (t - last)
+        level += g
+        last = t
+    return total
 
 
 def default_nodes(trace: Trace, gpus_per_node: int, replicas: int) -> int:
@@ -166,6 +207,8 @@ class _Node:
         "cordoned",
         "idx",
         "name",
+        "pool",
+        "residents",
         "view",
         "waiters",
     )
@@ -176,6 +219,8 @@ class _Node:
         self.book = LeaseBook(gpus, random_ids=False)
         self.active = False
         self.cordoned = False
+        self.pool = "lent"  # --elastic: its pool state (gpuhub/scheduler/pool.py STATES)
+        self.residents: dict = {}  # gpuhub: replica key -> (session state, replica index)
         self.view: NodeView | None = None  # cached NodeView, None when stale
         self.waiters: deque = deque()  # gpuhub: (session state, wait token)
         self.bucket = (
@@ -273,6 +318,25 @@ class Simulator:
             )
         self.N = n
         self.nodes = [_Node(i, self.G) for i in range(n)]
+        self.pool: PoolPolicy | None = None
+        if config.elastic:
+            if config.policy != "gpuhub":
+                raise SimError("--elastic is the gpuhub policy's pool; use it with --policy gpuhub")
+            if config.autoscale:
+                raise SimError("--elastic and --autoscale are two ways to size the cluster: choose one")
+            if config.acquire_s < 0 or config.pool_interval_s <= 0:
+                raise SimError("--acquire-s must not be negative and the pool interval must be positive")
+            try:
+                self.pool = PoolPolicy(
+                    replace(
+                        config.pool.check(),
+                        replicas=config.replicas,
+                        max_subscription_ratio=config.max_subscription_ratio,
+                        min_active=min(max(config.pool.min_active, config.replicas), n),
+                    )
+                )
+            except PoolSettingsError as exc:
+                raise SimError(str(exc)) from None
         self.progress = progress
         self.heap: list = []
         self.seq = 0
@@ -294,11 +358,16 @@ class Simulator:
         self.session_wait_max = 0.0
         self.scale_outs = 0
         self.scale_ins = 0
+        self.servers_released = 0
+        self.servers_acquired = 0
+        self.acquiring_count = 0
+        self.replica_moves = 0
         self.migrations = 0
         self.events = 0
         self.waiting_gpus = 0  # demand not served yet (for the autoscaler)
         self.timeline: list = []
         self.live_sessions = 0
+        self.placed_by_gpus: dict[int, int] = {}  # gpuhub: sessions placed now, by the GPUs they ask
 
     # ------------------------------------------------------------------ utilities
     def _push(self, t: float, kind: int, obj) -> None:
@@ -309,7 +378,7 @@ class Simulator:
         self.committed_now += delta
         self.peak_committed = max(self.peak_committed, self.committed_now)
         if self.cfg.record_timeline:
-            self.timeline.append((t, self.committed_now, self.active_count))
+            self.timeline.append((t, self.committed_now, self.active_count + self.acquiring_count))
 
     def _set_active(self, node: _Node, active: bool, t: float) -> None:
         if node.active == active:
@@ -322,11 +391,11 @@ class Simulator:
         self.peak_active = max(self.peak_active, self.active_count)
         self._rebucket(node)
         if self.cfg.record_timeline:
-            self.timeline.append((t, self.committed_now, self.active_count))
+            self.timeline.append((t, self.committed_now, self.active_count + self.acquiring_count))
 
     def _account_prov(self, t: float) -> None:
         if self.prov_t is not None:
-            self.prov_node_s += self.active_count * (t - self.prov_t)
+            self.prov_node_s += (self.active_count + self.acquiring_count) * (t - self.prov_t)
         self.prov_t = t
 
     def _rebucket(self, node: _Node) -> None:
@@ -374,6 +443,11 @@ class Simulator:
             ]:
                 self._set_active(node, True, t0)
             self._push(t0, _AUTOSCALE, None)
+        elif self.pool is not None:
+            for node in self.nodes[: self.pool.settings.min_active]:
+                self._set_active(node, True, t0)
+                node.pool = "active"
+            self._push(t0, _POOL, None)
         else:
             for node in self.nodes:
                 self._set_active(node, True, t0)
@@ -402,6 +476,10 @@ class Simulator:
                     self._finish(obj, t)
             elif kind == _MIGRATE_RETRY:
                 self._retry_migration(obj, t)
+            elif kind == _POOL:
+                self._pool_tick(t)
+            elif kind == _ACQUIRED:
+                self._acquired(obj, t)
             else:
                 self._autoscale(t)
             if progress is not None and ev % every == 0:
@@ -455,7 +533,7 @@ class Simulator:
         views = [self._view(n) for n in self.nodes if n.active]
         try:
             chosen = place_replicas(
-                views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio
+                views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio, pack=cfg.elastic
             )
         except PlacementError:
             if not (cfg.autoscale and self._scale_out_for_placement(st, t)):
@@ -471,11 +549,14 @@ class Simulator:
         reps = []
         for i, v in enumerate(chosen):
             node = by_name[v.name]
-            node.book.place(f"{st.sid}/{i}", st.s.gpus)
+            key = f"{st.sid}/{i}"
+            node.book.place(key, st.s.gpus)
+            node.residents[key] = (st, i)
             node.view = None
             reps.append(node)
         st.replicas = reps
         st.placed = True
+        self.placed_by_gpus[st.s.gpus] = self.placed_by_gpus.get(st.s.gpus, 0) + 1
         self._waited(st, t)
         return True
 
@@ -506,9 +587,12 @@ class Simulator:
         elif pol == "gpuhub":
             if st.placed:
                 for i, node in enumerate(st.replicas):
-                    node.book.unplace(f"{st.sid}/{i}")
+                    key = f"{st.sid}/{i}"
+                    node.book.unplace(key)
+                    node.residents.pop(key, None)
                     node.view = None
                 st.replicas = []
+                self.placed_by_gpus[st.s.gpus] -= 1
                 self._drain_place_queue(t)
             else:
                 self.place_queue.remove(st)
@@ -569,15 +653,16 @@ class Simulator:
             self.waiting_gpus += g
             return
         # gpuhub: previous executor first, then the other replicas in placement order
+        # (a draining node grants nothing new: its replicas are about to move)
         ex = st.executor
-        if ex is not None:
+        if ex is not None and not ex.cordoned:
             lease = ex.book.grant(g, st.sid, t)
             if lease is not None:
                 ex.view = None
                 self._start(st, t, ex, lease)
                 return
         for node in st.replicas:
-            if node is ex:
+            if node is ex or node.cordoned:
                 continue
             lease = node.book.grant(g, st.sid, t)
             if lease is not None:
@@ -607,18 +692,25 @@ class Simulator:
             move = plan_move(views, placed, g, cfg.max_subscription_ratio, limit=1)[0]
         except NoMigrationTarget:
             return False
-        i = move.replica
-        source, target = st.replicas[i], self.nodes[int(move.target.name[1:])]
-        source.book.unplace(f"{st.sid}/{i}")
-        target.book.place(f"{st.sid}/{i}", st.s.gpus)
-        source.view = target.view = None
-        st.replicas[i] = target
-        if st.executor is source:
-            st.executor = None
+        i, target = move.replica, self.nodes[int(move.target.name[1:])]
+        self._move(st, i, target)
         self.migrations += 1
         self._start(st, t, target, target.book.grant(g, st.sid, t), delay=cfg.migration_s)
         target.view = None
         return True
+
+    def _move(self, st: _SState, i: int, target: _Node) -> None:
+        """Replica ``i`` of the session leaves its node for ``target`` (a migration or a drain)."""
+        source = st.replicas[i]
+        key = f"{st.sid}/{i}"
+        source.book.unplace(key)
+        source.residents.pop(key, None)
+        target.book.place(key, st.s.gpus)
+        target.residents[key] = (st, i)
+        source.view = target.view = None
+        st.replicas[i] = target
+        if st.executor is source:
+            st.executor = None
 
     def _retry_migration(self, entry: tuple, t: float) -> None:
         st, token = entry
@@ -665,7 +757,10 @@ class Simulator:
             pol = self.cfg.policy
             if pol == "gpuhub":
                 node.view = None
-                if node.waiters:
+                if node.cordoned:  # draining: its replicas move now that the cell ended (heal does)
+                    if node.pool == "draining":
+                        self._drain_node(node, t)
+                elif node.waiters:
                     self._wake(node, t)
             else:
                 self._rebucket(node)
@@ -717,6 +812,77 @@ class Simulator:
             lease = node.book.grant(g, st.sid, t)
             self._rebucket(node)
             self._start(st, t, node, lease)
+
+    # ------------------------------------------------------------------ elastic pool (--elastic)
+    def _pool_tick(self, t: float) -> None:
+        """One decision of the product's pool rule (gpuhub/scheduler/pool.py), then the drains' moves."""
+        servers = []
+        for n in self.nodes:
+            b = n.book
+            if n.pool == "lent" or n.pool == "acquiring":
+                servers.append(PoolServer(n.name, b.gpu_count, n.pool))
+            else:
+                servers.append(PoolServer(n.name, b.gpu_count, n.pool, b.committed, b.pending, len(n.residents)))
+        demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
+        largest = max((g for g, n in self.placed_by_gpus.items() if n), default=0)
+        plan = self.pool.plan(servers, demand, t, largest_request=largest)
+        for name in plan.release:
+            node = self.nodes[int(name[1:])]
+            node.pool = "lent"
+            self._set_active(node, False, t)
+            self.servers_released += 1
+        for name in plan.undrain:
+            node = self.nodes[int(name[1:])]
+            node.pool, node.cordoned, node.view = "active", False, None
+            self._rebucket(node)
+        for name in plan.acquire:
+            node = self.nodes[int(name[1:])]
+            self._account_prov(t)
+            node.pool = "acquiring"
+            self.acquiring_count += 1
+            self._held(0, t)  # a timeline point: provisioned rose
+            self.servers_acquired += 1
+            self._push(t + self.cfg.acquire_s, _ACQUIRED, node)
+        for name in plan.drain:
+            node = self.nodes[int(name[1:])]
+            node.pool, node.cordoned, node.view = "draining", True, None
+            self._rebucket(node)
+        for node in self.nodes:
+            if node.pool == "draining" and node.residents:
+                self._drain_node(node, t)
+        if plan.undrain:
+            self._drain_place_queue(t)
+        if self.live_sessions > 0:
+            self._push(t + self.cfg.pool_interval_s, _POOL, None)
+
+    def _acquired(self, node: _Node, t: float) -> None:
+        self._account_prov(t)
+        self.acquiring_count -= 1
+        node.pool = "active"
+        self._set_active(node, True, t)
+        self._drain_place_queue(t)
+
+    def _drain_node(self, node: _Node, t: float) -> None:
+        """Move the idle replicas of a draining node where placement puts them (the servers that
+        stay active); a replica whose cell runs there stays until the cell ends."""
+        cfg = self.cfg
+        for st, i in list(node.residents.values()):
+            if st.lease_node is node:
+                continue
+            views = [self._view(n) for n in self.nodes if n.active]
+            others = [n.name for j, n in enumerate(st.replicas) if j != i]
+            try:
+                v = place_replicas(views, st.s.gpus, cfg.replicas, cfg.max_subscription_ratio,
+                                   exclude=others, count=1, pack=True)[0]
+            except PlacementError:
+                continue  # nowhere to go now; the next tick tries again
+            target = self.nodes[int(v.name[1:])]
+            self._move(st, i, target)
+            self.replica_moves += 1
+            if st.waiting:  # its cell now also waits for GPUs on the new node
+                target.waiters.append((st, st.token))
+                if target.book.free:
+                    self._wake(target, t)
 
     # ------------------------------------------------------------------ autoscaling
     def _autoscale(self, t: float) -> None:
@@ -841,12 +1007,15 @@ class Simulator:
             replicas=cfg.replicas,
             max_subscription_ratio=cfg.max_subscription_ratio,
             autoscale=cfg.autoscale,
+            elastic=cfg.elastic,
             closed_loop=cfg.closed_loop,
             horizon_s=horizon,
             gpu_hours_reserved=reserved,
             gpu_hours_busy=busy,
             gpu_hours_committed=committed,
             gpu_hours_provisioned=prov,
+            gpu_hours_physical_limit=physical_limit_gpu_seconds(self.trace, self.G) / 3600.0,
+            gpu_hours_saved_provisioned=reserved - prov,
             gpu_hours_saved_vs_reservation=saved,
             gpu_hours_saved_bound=bound,
             saved_frac_of_bound=(saved / bound) if bound > 0 else 1.0,
@@ -857,7 +1026,9 @@ class Simulator:
             delay_max_s=delays[-1] if n else 0.0,
             frac_started_within_1s=(within1 / n) if n else 1.0,
             frac_started_within_10s=(within10 / n) if n else 1.0,
+            cells_over_grant_timeout=n - _count_le(delays, cfg.grant_timeout_s),
             migrations=self.migrations,
+            replica_moves=self.replica_moves,
             sessions_waited=self.sessions_waited,
             session_wait_max_s=self.session_wait_max,
             peak_committed_gpus=self.peak_committed,
@@ -867,6 +1038,8 @@ class Simulator:
             else float(self.active_count),
             scale_outs=self.scale_outs,
             scale_ins=self.scale_ins,
+            servers_released=self.servers_released,
+            servers_acquired=self.servers_acquired,
             events=self.events,
             delays=array("d", delays),
             timeline=self.timeline,

@@ -17,6 +17,12 @@ KEYS = {
     "frac_started_within_1s",
     "frac_started_within_10s",
     "migrations",
+    "gpu_hours_saved_provisioned",
+    "gpu_hours_physical_limit",
+    "delay_max_s",
+    "cells_over_grant_timeout",
+    "servers_released",
+    "servers_acquired",
 }
 
 
@@ -124,3 +130,23 @@ def test_progress_bar_on_request(tmp_path, capsys):
     assert "100%" in capsys.readouterr().err
     assert main(["run", out]) == 0
     assert capsys.readouterr().err == ""  # not a TTY, not asked
+
+
+def test_elastic_run_reports_the_pool(tmp_path, capsys):
+    out = str(tmp_path / "gen")
+    main(["generate", out, "--sessions", "12", "--hours", "10", "--seed", "2"])
+    capsys.readouterr()
+    assert main(["run", out, "--json", "--elastic", "--acquire-s", "60", "--pool-spare-servers", "1"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["elastic"] is True and obj["servers_acquired"] >= 1
+    assert obj["gpu_hours_saved_provisioned"] == obj["gpu_hours_reserved"] - obj["gpu_hours_provisioned"]
+    assert obj["cells_over_grant_timeout"] >= 0 and obj["delay_max_s"] >= obj["delay_p99_s"]
+    assert main(["run", out, "--policy", "all", "--elastic"]) == 0
+    table = capsys.readouterr().out
+    # the headline leads with the servers kept on; the pool runs the gpuhub column only
+    assert table.splitlines()[3].startswith("GPU-hours provisioned (servers on)")
+    assert "gpuhub, elastic pool" in table and "reservation, " in table
+    assert main(["run", out, "--elastic", "--autoscale"]) == 2
+    assert "choose one" in capsys.readouterr().err
+    assert main(["run", out, "--elastic", "--pool-min-active", "0"]) == 2
+    assert "pool_min_active" in capsys.readouterr().err

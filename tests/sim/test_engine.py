@@ -167,3 +167,52 @@ def test_percentile_nearest_rank():
         and percentile(xs, 100) == 100
     )
     assert percentile([], 50) == 0.0
+
+
+# --- the elastic pool (--elastic): the product's pool rule, gpuhub/scheduler/pool.py -----------------
+
+def _day_and_night():
+    """Busy hours (four whole-server cells at once), then a long idle night, then one more cell."""
+    busy = [(f"b{i}", 0, 20000, 8, [(10, 3600, 8)]) for i in range(4)]
+    late = [("late", 0, 20000, 2, [(3700 + 1800, 60, 2), (15000, 60, 2)])]
+    return T(*busy, *late)
+
+
+def test_elastic_acquires_for_demand_releases_after_and_counts_what_was_on():
+    from gpuhub.scheduler.pool import PoolSettings
+
+    tr = _day_and_night()
+    pool = PoolSettings(min_active=3, spare_servers=1, release_after_s=300)
+    r = run(tr, policy="gpuhub", nodes=8, gpus_per_node=8, elastic=True, pool=pool, acquire_s=30.0)
+    fixed = run(tr, policy="gpuhub", nodes=8, gpus_per_node=8)
+    assert r.cells == 6 and r.cells_over_grant_timeout == 0
+    assert r.servers_acquired >= 2 and r.servers_released >= 2
+    # four 8-GPU cells at once on 3 active servers: the fourth waits for an acquired server
+    assert 30.0 <= r.delay_max_s <= 30.0 + 10.0 + 5.0
+    # the night is spent on the minimum, not on 8 servers
+    assert r.gpu_hours_provisioned < fixed.gpu_hours_provisioned / 2
+    assert r.gpu_hours_saved_provisioned == pytest.approx(r.gpu_hours_reserved - r.gpu_hours_provisioned)
+    # whole servers: the 2-GPU cells count 8 GPUs each
+    assert r.gpu_hours_physical_limit == pytest.approx(32 + 2 * 8 * 60 / 3600)
+    # every replica of a drained server moved where placement put it; nothing lost or doubled
+    assert r.replica_moves >= 0 and r.migrations >= 1
+
+
+def test_elastic_never_releases_a_server_whose_cell_runs():
+    from gpuhub.scheduler.pool import PoolSettings
+
+    # one long cell on one server; the others idle: the pool shrinks to the minimum around it
+    tr = T(("long", 0, 10000, 4, [(0, 9000, 4)]), ("idle", 0, 10000, 1, [(9500, 10, 1)]))
+    r = run(tr, policy="gpuhub", nodes=6, gpus_per_node=8, elastic=True,
+            pool=PoolSettings(min_active=3, spare_servers=0, release_after_s=0))
+    assert r.delays[0] == 0.0 and r.cells_over_grant_timeout == 0
+    assert r.servers_released == 0  # it starts with the minimum, which it keeps
+    assert r.gpu_hours_provisioned == pytest.approx(3 * 8 * 10000 / 3600)
+
+
+def test_elastic_refuses_what_it_cannot_run():
+    tr = T(("a", 0, 100, 1, [(0, 10, 1)]))
+    with pytest.raises(SimError, match="choose one"):
+        run(tr, policy="gpuhub", nodes=3, elastic=True, autoscale=True)
+    with pytest.raises(SimError, match="gpuhub"):
+        run(tr, policy="batch", nodes=3, elastic=True)

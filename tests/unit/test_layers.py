@@ -11,8 +11,8 @@ import gpuhub
 ROOT = Path(gpuhub.__file__).parent
 
 # Pure policy modules: the daemons and the simulator run the same rules.
-POLICY = {"gpuhub.scheduler.placement", "gpuhub.scheduler.migration", "gpuhub.agent.leases",
-          "gpuhub.replication.election"}
+POLICY = {"gpuhub.scheduler.placement", "gpuhub.scheduler.migration", "gpuhub.scheduler.pool",
+          "gpuhub.agent.leases", "gpuhub.replication.election"}
 
 # What each package may import besides itself, gpuhub/platform and the policy modules: whole
 # packages by name, or single modules by their dotted path.

@@ -1,0 +1,188 @@
+"""The elastic GPU pool: how many servers stay active, which one is lent next, which comes back.
+
+Pure logic, no clock of its own and no I/O: the scheduler's pool loop (gpuhub/scheduler/pool_loop.py)
+and the simulator (gpuhub/sim/engine.py, ``--elastic``) drive the same :class:`PoolPolicy`, so
+what the simulator reports is what the product does (docs/architecture.md, "Elastic pool").
+
+A server is in one of these states:
+
+``active``     takes replicas and grants GPUs;
+``draining``   the pool wants to lend it: no new replica goes there, its replicas move away
+               (a running cell finishes first), then it is released;
+``lent``       released through the admin's hook (Slurm, IPMI, …): not ours until acquired;
+``acquiring``  the acquire hook ran; it counts as provisioned until its agent heartbeats again;
+``lost``       no heartbeat (the pool neither counts nor touches it).
+
+The rule, evaluated every few seconds against the demand (GPUs granted now plus the GPUs of
+cells waiting for one):
+
+- keep ``demand + headroom_gpus`` GPUs in active (or coming) servers, and at least ``min_active``
+  servers, at most ``max_active``; the replicas placed must also fit under the subscription ratio;
+- keep ``spare_servers`` active servers (or coming ones) that could grant the largest request of
+  a kernel now (``largest_request``; a whole server when unknown): idle GPUs scattered over busy
+  servers cannot run a cell that needs many of them, and a spare can take it at once (migration
+  prefers the fullest server that fits, so the spare stays free for such a cell);
+- short of that: undrain draining servers first (free, instant), then acquire lent ones;
+- a surplus that lasted ``release_after_s`` drains the server that is cheapest to empty (fewest
+  replicas, nothing running), at most ``drain_step`` at a time; once it holds no replica and no
+  lease it is released. Consolidation follows: draining servers take no replicas, so the replicas
+  of a server being lent move onto servers that stay active.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+STATES = ("active", "draining", "lent", "acquiring", "lost")
+
+
+class PoolSettingsError(ValueError):
+    """Settings the pool cannot work with; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    min_active: int = 3  # never fewer active servers (at least a kernel's replicas)
+    max_active: int = 0  # never more; 0: every server there is
+    headroom_gpus: int = 0  # idle GPUs kept on beyond the demand, for cells that arrive
+    spare_servers: int = 1  # active servers kept able to grant the largest request, for big cells
+    release_after_s: float = 300.0  # a surplus must last this long before a server is drained
+    drain_step: int = 2  # servers that may drain at once
+    max_subscription_ratio: float = 7.0  # the placement limit (placement.py), for the replicas' room
+    replicas: int = 3  # replicas per kernel (same)
+
+    def check(self) -> PoolSettings:
+        if self.min_active < 1:
+            raise PoolSettingsError(f"pool_min_active must be at least 1, not {self.min_active}")
+        if self.max_active and self.max_active < self.min_active:
+            raise PoolSettingsError(f"pool_max_active ({self.max_active}) is below pool_min_active "
+                                    f"({self.min_active})")
+        if self.spare_servers < 0:
+            raise PoolSettingsError(f"pool_spare_servers must not be negative, not {self.spare_servers}")
+        if self.headroom_gpus < 0:
+            raise PoolSettingsError(f"pool_headroom_gpus must not be negative, not {self.headroom_gpus}")
+        if self.release_after_s < 0:
+            raise PoolSettingsError(f"pool_release_after_s must not be negative, not {self.release_after_s}")
+        if self.drain_step < 1:
+            raise PoolSettingsError(f"pool_drain_step must be at least 1, not {self.drain_step}")
+        return self
+
+
+@dataclass(frozen=True)
+class PoolServer:
+    """What the pool knows of one server."""
+
+    name: str
+    gpu_count: int
+    state: str  # one of STATES
+    committed: int = 0  # GPUs granted there now
+    pending: int = 0  # GPUs of the replicas placed there
+    replicas: int = 0  # replicas placed there
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What to do now; every list is in the order to do it. Empty: nothing."""
+
+    acquire: tuple[str, ...] = ()
+    undrain: tuple[str, ...] = ()
+    drain: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
+    wanted_gpus: int = 0  # GPUs the pool wants active now (demand + headroom, within the limits)
+
+    def __bool__(self) -> bool:
+        return bool(self.acquire or self.undrain or self.drain or self.release)
+
+
+class PoolPolicy:
+    """The pool rule with its one piece of memory: since when the surplus has lasted."""
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings.check()
+        self.surplus_since: float | None = None
+
+    def wanted_gpus(self, servers: Sequence[PoolServer], demand_gpus: int) -> int:
+        """GPUs to keep active: the demand plus the headroom, and room for the replicas placed."""
+        s = self.settings
+        wanted = max(0, demand_gpus) + s.headroom_gpus
+        # A server takes replicas up to pending = ratio x GPUs x replicas (placement.py).
+        pending = sum(v.pending for v in servers if v.state != "lost")
+        room = math.ceil(pending / (s.max_subscription_ratio * s.replicas))
+        return max(wanted, room)
+
+    def plan(self, servers: Sequence[PoolServer], demand_gpus: int, now: float,
+             largest_request: int | None = None) -> PoolPlan:
+        """What to do now, for ``demand_gpus`` GPUs granted or waiting; ``largest_request``: the most
+        GPUs a kernel asks for per cell (None: a whole server)."""
+        s = self.settings
+        by_state: dict[str, list[PoolServer]] = {st: [] for st in STATES}
+        for v in servers:
+            by_state[v.state].append(v)
+        active, draining = by_state["active"], by_state["draining"]
+        coming = by_state["acquiring"]
+        wanted = self.wanted_gpus(servers, demand_gpus)
+        have = sum(v.gpu_count for v in active) + sum(v.gpu_count for v in coming)
+        count = len(active) + len(coming)
+        def can_spare(v: PoolServer) -> bool:
+            return v.gpu_count - v.committed >= (v.gpu_count if largest_request is None
+                                                  else min(largest_request, v.gpu_count))
+
+        spare = sum(1 for v in active if can_spare(v)) + len(coming)
+        cap = s.max_active or len(servers)
+        # Released: drained servers that hold nothing any more.
+        release = tuple(v.name for v in draining if v.replicas == 0 and v.committed == 0)
+
+        def enough() -> bool:
+            return have >= wanted and count >= s.min_active and spare >= s.spare_servers
+
+        if not enough():
+            self.surplus_since = None
+            undrain, acquire = [], []
+            # The servers with the most replicas left first (they are the costliest to finish
+            # draining); an empty one is still cheaper to keep than to release and acquire back.
+            for v in sorted(draining, key=lambda v: (-v.replicas, v.name)):
+                if enough() or count >= cap:
+                    break
+                if have >= wanted and count >= s.min_active and not can_spare(v):
+                    continue  # only a spare is missing, and this one is not
+                undrain.append(v.name)
+                have += v.gpu_count
+                count += 1
+                spare += can_spare(v)
+            # The largest lent servers first: fewest hooks to run for the GPUs wanted.
+            for v in sorted(by_state["lent"], key=lambda v: (-v.gpu_count, v.name)):
+                if enough() or count >= cap:
+                    break
+                acquire.append(v.name)
+                have += v.gpu_count
+                count += 1
+                spare += 1
+            return PoolPlan(acquire=tuple(acquire), undrain=tuple(undrain),
+                            release=tuple(n for n in release if n not in undrain), wanted_gpus=wanted)
+
+        # Enough, maybe too much: drain what is surplus once the surplus has lasted.
+        drain: list[str] = []
+        room = s.drain_step - sum(1 for v in draining if v.name not in release)
+        cands = sorted(active, key=lambda v: (v.committed > 0, v.replicas, v.pending, v.committed, v.name))
+        for v in cands:
+            if len(drain) >= room or count - 1 < s.min_active or have - v.gpu_count < wanted:
+                break
+            if v.committed:
+                break  # GPUs granted there: it empties by itself, and draining it would only idle it longer
+            if spare - can_spare(v) < s.spare_servers:
+                break  # the spare stays
+            drain.append(v.name)
+            have -= v.gpu_count
+            count -= 1
+            spare -= v.committed == 0
+        if not drain:
+            self.surplus_since = None
+            return PoolPlan(release=release, wanted_gpus=wanted)
+        if self.surplus_since is None:
+            self.surplus_since = now
+        if now - self.surplus_since < s.release_after_s:
+            return PoolPlan(release=release, wanted_gpus=wanted)
+        self.surplus_since = None  # the next drain waits for a surplus of its own
+        return PoolPlan(drain=tuple(drain), release=release, wanted_gpus=wanted)
