@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from traitlets import Dict, Float, Int, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Float, Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 
@@ -27,6 +27,29 @@ class SchedulerConfig(Configurable):
     migration_interval_s = Float(10.0, min=0.0, config=True,
                                  help="A kernel moves a replica at most once in this many seconds (a cell waiting "
                                       "for a GPU asks again after that if the last move did not help).")
+    pool_enabled = Bool(False, config=True,
+                        help="Run the elastic GPU pool (docs/install.md): keep only the servers the load needs "
+                             "active, lend the others through the hooks. Without hooks it only reports.")
+    pool_release_command = Unicode("", config=True,
+                                   help="Command that lends a drained, empty server (its name is appended), e.g. "
+                                        "'scontrol update state=resume nodename' to give it to Slurm; '': none.")
+    pool_acquire_command = Unicode("", config=True,
+                                   help="Command that takes a lent server back (its name is appended); the server "
+                                        "is active again once its agent heartbeats.")
+    pool_min_active = Int(3, min=1, config=True, help="The pool never keeps fewer active servers.")
+    pool_max_active = Int(0, min=0, config=True, help="The pool never keeps more active servers; 0: no limit.")
+    pool_headroom_gpus = Int(0, min=0, config=True, help="Idle GPUs the pool keeps active beyond the demand.")
+    pool_spare_servers = Int(1, min=0, config=True,
+                             help="Active servers the pool keeps able to grant the largest GPU request at once.")
+    pool_release_after_s = Float(300.0, min=0.0, config=True,
+                                 help="A surplus of servers must last this long before the pool drains one.")
+    pool_interval_s = Float(10.0, config=True, help="How often the pool decides.")
+    pool_hook_timeout_s = Float(120.0, config=True, help="A hook still running after this long is killed: failed.")
+    pool_acquire_timeout_s = Float(600.0, config=True,
+                                   help="An acquired server whose agent does not heartbeat within this long failed "
+                                        "to come back: it stays lent.")
+    pool_retry_s = Float(600.0, min=0.0, config=True,
+                         help="A server whose acquire failed is not acquired again for this long.")
     quota_default = Dict(config=True,
                          help="Limits for every user without an entry in quota_users, e.g. {gpus = 2, "
                               "gpu_hours_per_week = 30}; empty: none (docs/quotas.md).")
@@ -43,6 +66,21 @@ class SchedulerConfig(Configurable):
         if proposal.value <= 0:
             raise TraitError(f"max_subscription_ratio must be positive, not {proposal.value}")
         return proposal.value
+
+    @validate("pool_interval_s", "pool_hook_timeout_s", "pool_acquire_timeout_s")
+    def _check_positive(self, proposal) -> float:
+        if proposal.value <= 0:
+            raise TraitError(f"{proposal.trait.name} must be positive, not {proposal.value}")
+        return proposal.value
+
+    def pool_problem(self) -> str | None:
+        """Why the pool settings cannot work together, or None."""
+        if bool(self.pool_release_command) != bool(self.pool_acquire_command):
+            return ("pool_release_command and pool_acquire_command go together: a server the pool lends must "
+                    "have a way back (set both, or neither to only report)")
+        if self.pool_max_active and self.pool_max_active < self.pool_min_active:
+            return f"pool_max_active ({self.pool_max_active}) is below pool_min_active ({self.pool_min_active})"
+        return None
 
     @validate("node_timeout_s")
     def _check_node_timeout(self, proposal) -> float:

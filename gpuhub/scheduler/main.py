@@ -13,6 +13,7 @@ from gpuhub.platform.daemon import Daemon
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.config import SchedulerConfig
+from gpuhub.scheduler.pool_loop import pool_loop
 from gpuhub.scheduler.quotas import QuotaConfigError
 from gpuhub.scheduler.service import Scheduler
 
@@ -56,7 +57,7 @@ class SchedulerDaemon(Daemon):
     def init_service(self) -> None:
         try:
             self.scheduler = Scheduler(self.settings, self.secrets["agent"])
-        except QuotaConfigError as exc:
+        except (QuotaConfigError, ValueError) as exc:  # quotas, pool settings: the message names the key
             raise ConfigError(f"{self.config_file}: {exc}") from None
 
     async def prepare(self) -> None:
@@ -71,7 +72,10 @@ class SchedulerDaemon(Daemon):
                 f"({len(self.scheduler.kernels)} kernel(s) in the books)")
 
     def background(self) -> list:
-        return [maintenance_loop(self.scheduler)]
+        loops = [maintenance_loop(self.scheduler)]
+        if self.scheduler.pool is not None:
+            loops.append(pool_loop(self.scheduler.pool))
+        return loops
 
     def on_stop(self) -> None:
         self.scheduler.save()

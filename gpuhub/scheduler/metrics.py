@@ -60,10 +60,43 @@ class SchedulerCollector:
         g.add_metric(["reserved"], reserved)
         yield g
         yield from quota_metrics(s)
+        if s.pool is not None:
+            yield from pool_metrics(s.pool)
         g = GaugeMetricFamily("gpuhub_cluster_subscription_ratio",
                               "Each kernel's GPUs once over all GPUs (= pending / (GPUs x R) with R replicas each)")
         g.add_metric([], reserved / total if total else 0.0)
         yield g
+
+
+def pool_metrics(pool):
+    """The elastic pool: its servers by state, the GPUs it wants, its hooks and actions."""
+    g = GaugeMetricFamily("gpuhub_pool_servers", "GPU servers by elastic-pool state", labels=["state"])
+    counts = pool.counts()
+    for state in ("active", "draining", "lent", "acquiring", "lost"):
+        g.add_metric([state], counts.get(state, 0))
+    yield g
+    g = GaugeMetricFamily("gpuhub_pool_demand_gpus", "GPUs granted now plus those of cells waiting for a server")
+    g.add_metric([], pool.demand)
+    yield g
+    g = GaugeMetricFamily("gpuhub_pool_wanted_gpus", "GPUs the pool keeps active: the demand, its headroom and "
+                          "the replicas' room")
+    g.add_metric([], pool.last_plan.wanted_gpus)
+    yield g
+    runs = CounterMetricFamily("gpuhub_pool_hook_runs", "Pool hook runs by outcome (ok, failed, timeout)",
+                               labels=["hook", "outcome"])
+    fails = CounterMetricFamily("gpuhub_pool_hook_failures", "Pool hooks that failed, timed out, or whose "
+                                "server did not come back", labels=["hook"])
+    for hook in ("release", "acquire"):
+        for outcome in ("ok", "failed", "timeout"):
+            runs.add_metric([hook, outcome], pool.hook_runs[hook, outcome])
+        fails.add_metric([hook], pool.hook_runs[hook, "failed"] + pool.hook_runs[hook, "timeout"])
+    yield runs
+    yield fails
+    c = CounterMetricFamily("gpuhub_pool_actions", "Servers the pool drained, put back, released and acquired",
+                            labels=["action"])
+    for action in ("drained", "undrained", "released", "acquired"):
+        c.add_metric([action], pool.events[action])
+    yield c
 
 
 def quota_metrics(s):

@@ -19,6 +19,7 @@ from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.metrics import kernel_start_histogram, migration_histogram
 from gpuhub.scheduler.migration import Move, NoMigrationTarget, choose_target, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
+from gpuhub.scheduler.pool_loop import ElasticPool
 from gpuhub.scheduler.quotas import LiveLease, QuotaPolicy, Quotas, UsageLedger
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ class NodeRecord:
     last_seen: float
     # Set by an admin (gpuhub node drain): no new replica goes here, and the replicas here move away.
     drained: bool = False
+    # The elastic pool's state of it (gpuhub/scheduler/pool_loop.py): "" (in service), "draining"
+    # (to be lent: no new replica, its replicas move away), "lent", "acquiring"; and since when.
+    pool: str = ""
+    pool_since: float = 0.0
 
 
 @dataclass
@@ -121,12 +126,17 @@ class Scheduler:
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
+        problem = config.pool_problem()
+        if problem:
+            raise ValueError(problem)
+        self.pool = ElasticPool(self) if config.pool_enabled else None
 
     # --- books -----------------------------------------------------------------
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         data = {
-            "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen, "drained": r.drained}
+            "nodes": {n: {"url": r.url, "info": r.info, "last_seen": r.last_seen, "drained": r.drained,
+                          "pool": r.pool, "pool_since": r.pool_since}
                       for n, r in self.nodes.items()},
             "kernels": {k: r.books() for k, r in self.kernels.items()},
             "usage": self.quotas.ledger.to_dict(),
@@ -142,7 +152,8 @@ class Scheduler:
         if data is None:
             return
         for name, n in data.get("nodes", {}).items():
-            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"], bool(n.get("drained", False)))
+            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"], bool(n.get("drained", False)),
+                                          str(n.get("pool", "")), float(n.get("pool_since", 0.0)))
         for kid, k in data.get("kernels", {}).items():
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
             self.kernels[kid] = KernelRecord(**k, replicas=reps)
@@ -161,7 +172,10 @@ class Scheduler:
         known = self.nodes.get(name)
         fresh = known is None
         now = time.time()
-        self.nodes[name] = NodeRecord(name, url, info, now, drained=bool(known and known.drained))
+        if known is None:
+            self.nodes[name] = NodeRecord(name, url, info, now)
+        else:
+            known.url, known.info, known.last_seen = url, info, now
         if usage is not None:
             try:
                 answer["usage_ack"] = self.quotas.ledger.apply(name, usage)
@@ -249,7 +263,7 @@ class Scheduler:
             gpu_count=int(r.info.get("gpu_count", 0)),
             pending=int(r.info.get("pending", 0)),
             committed=int(r.info.get("committed", 0)),
-            schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained,
+            schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained and not r.pool,
         )
 
     async def ask_node(self, name: str) -> dict | None:
@@ -285,11 +299,14 @@ class Scheduler:
         ]
 
     def node_state(self, rec: NodeRecord, replicas: int) -> str:
-        """active, draining (drained, replicas still there), drained, or lost (no heartbeat)."""
+        """active, draining (drained, replicas still there), drained, lent or acquiring (the elastic
+        pool's), or lost (no heartbeat)."""
+        if rec.pool in ("lent", "acquiring"):
+            return rec.pool
         if not self.live(rec):
             return "lost"
-        if rec.drained:
-            return "draining" if replicas else "drained"
+        if rec.drained or rec.pool == "draining":
+            return "draining" if replicas or rec.pool == "draining" else "drained"
         return "active"
 
     # --- kernels ---------------------------------------------------------------
@@ -304,7 +321,9 @@ class Scheduler:
             return existing
         started = time.monotonic()
         try:
-            chosen = place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio)
+            # With the elastic pool, consolidate: the servers that stay busy take the replicas.
+            chosen = place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio,
+                                    pack=self.pool is not None)
         except PlacementError:
             self.counters["placement_failures"] += 1
             raise
@@ -374,8 +393,9 @@ class Scheduler:
         return node is not None and self.live(node)
 
     def _drained(self, node: str) -> bool:
+        """Drained by an admin or by the elastic pool: its replicas move away."""
         rec = self.nodes.get(node)
-        return bool(rec and rec.drained)
+        return bool(rec and (rec.drained or rec.pool == "draining"))
 
     def why_lost(self, rep: ReplicaRecord, now: float) -> str | None:
         """Why ``rep`` needs a replacement, or None. Its node stopped heartbeating, or its unit has
@@ -442,7 +462,8 @@ class Scheduler:
             others = [r.node for r in record.replicas if r is not rep and self.why_lost(r, time.time()) is None]
             try:
                 target = place_replicas(self.node_views(), record.gpus, len(record.replicas),
-                                        self.config.max_subscription_ratio, exclude=others, count=1)[0]
+                                        self.config.max_subscription_ratio, exclude=others, count=1,
+                                        pack=self.pool is not None)[0]
             except PlacementError as exc:
                 self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {exc}")
                 return
@@ -517,10 +538,17 @@ class Scheduler:
                 raise NoMigrationTarget(f"replica {down[0].id} on {down[0].node} is {down[0].state}; "
                                         "a kernel moves only while all its replicas run")
             await self._check_all_busy(record)
-            move = await self._fresh_move(record)
+            try:
+                move = await self._fresh_move(record)
+            except NoMigrationTarget:
+                if self.pool is not None:  # a cell waits that no active server can take: demand
+                    self.pool.cell_waits(kernel_id, record.gpus)
+                raise
         except BaseException:
             self._moves.pop(kernel_id, None)
             raise
+        if self.pool is not None:
+            self.pool.cell_placed(kernel_id)
         rep = next(r for r in record.replicas if r.id == move.replica)
         self._last_migration[kernel_id] = time.monotonic()
         self._moves[kernel_id] = move.target.name
