@@ -133,18 +133,18 @@ class ElasticPool:
         if not self.acts:
             self._report(plan)
             return plan
+        why = (f"demand {self.demand} GPU(s), {plan.wanted_gpus} wanted active with the headroom and the "
+               "replicas' room")
         for name in plan.undrain:
-            self._set(name, "", f"back in service: {self.demand} GPU(s) wanted, {plan.wanted_gpus} with the headroom")
+            self._set(name, "", f"back in service: {why}")
             self.events["undrained"] += 1
         for name in plan.drain:
-            self._set(name, "draining", f"draining to lend it: {self.demand} GPU(s) wanted, "
-                                        f"{plan.wanted_gpus} with the headroom; its replicas move away")
+            self._set(name, "draining", f"draining to lend it ({why}); its replicas move away")
             self.events["drained"] += 1
         for name in plan.release:
             await self._release(name)
         for name in plan.acquire:
-            self._set(name, "acquiring", f"acquiring: {self.demand} GPU(s) wanted, {plan.wanted_gpus} with "
-                                         "the headroom")
+            self._set(name, "acquiring", f"acquiring: {why}, or no spare server")
             task = asyncio.ensure_future(self._acquire(name))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -155,8 +155,8 @@ class ElasticPool:
                  (("acquire", plan.acquire), ("put back", plan.undrain), ("drain and lend", plan.drain)) if names]
         line = "; ".join(parts)
         if line and line != self._reported:
-            log.info("pool (report only, no gpuhub_pool_release_command): would %s (%d GPU(s) wanted, %d with "
-                     "the headroom)", line, self.demand, plan.wanted_gpus)
+            log.info("pool (report only, no pool_release_command): would %s (demand %d GPU(s), %d wanted active "
+                     "with the headroom and the replicas' room)", line, self.demand, plan.wanted_gpus)
         self._reported = line
 
     def _set(self, name: str, pool_state: str, why: str) -> None:

@@ -158,6 +158,12 @@ class Scheduler:
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
             self.kernels[kid] = KernelRecord(**k, replicas=reps)
         self.quotas.ledger = UsageLedger.from_dict(data.get("usage", {}))
+        if self.pool is None:  # the pool was turned off: what it lent is the admin's again
+            for rec in self.nodes.values():
+                if rec.pool:
+                    log.warning("node %s was %s by the elastic pool, which is off now: back in service once "
+                                "its agent heartbeats", rec.name, rec.pool)
+                    rec.pool = ""
 
     # --- nodes -----------------------------------------------------------------
     def heartbeat(self, info: dict) -> dict:

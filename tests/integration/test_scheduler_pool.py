@@ -204,3 +204,14 @@ async def test_run_hook_reports_what_went_wrong():
 def test_nodes_carry_their_pool_state_in_the_books(tmp_path):
     rec = NodeRecord("a", "http://a.invalid", {}, time.time(), pool="lent", pool_since=1.0)
     assert rec.pool == "lent"
+
+
+def test_turning_the_pool_off_puts_what_it_lent_back_in_service(tmp_path, hook, caplog):
+    s = pool_scheduler(tmp_path, hook)
+    s.nodes["d"].pool = "lent"
+    s.save()
+    off = Scheduler(SchedulerConfig(state_dir=str(tmp_path / "state"), node_timeout_s=5), agent_token="t")
+    with caplog.at_level(logging.WARNING):
+        off.load()
+    assert off.nodes["d"].pool == ""
+    assert any("node d was lent by the elastic pool, which is off now" in r.message for r in caplog.records)
