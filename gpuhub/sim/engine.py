@@ -19,8 +19,9 @@ Policies (see docs/simulator.md for the full rules):
 ``gpuhub``
     At session start, R replicas are placed with ``place_replicas`` under the subscription-ratio cap;
     a session that cannot be placed waits in a FIFO queue and is retried whenever replicas leave or
-    nodes are added. A cell asks the ``LeaseBook`` of its replicas' nodes for an immediate grant,
-    previous executor first, then the others in placement order; if none can grant, the cell waits
+    nodes are added. A cell is elected with the kernel's rule (gpuhub/replication/election.py,
+    ``local_choice``): each replica proposes LEAD if its node's ``LeaseBook`` can grant now, in
+    placement order; the previous executor wins if it can, else the first LEAD; if none can grant, the cell waits
     until GPUs free on one of those nodes (waiters on a node are tried in arrival order, a cell that
     fits may pass one that does not). Unless ``migration`` is off, a cell none of whose replicas'
     nodes can grant moves one replica with the product's policy (gpuhub/scheduler/migration.py) to
@@ -48,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from gpuhub.agent.leases import LeaseBook
+from gpuhub.replication.election import FAILED, Election, local_choice
 from gpuhub.scheduler.migration import NoMigrationTarget, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError
@@ -652,23 +654,20 @@ class Simulator:
             self.batch_queue.append(st)
             self.waiting_gpus += g
             return
-        # gpuhub: previous executor first, then the other replicas in placement order
-        # (a draining node grants nothing new: its replicas are about to move)
+        # gpuhub: the kernel's own election rule (gpuhub/replication/election.py). Every replica
+        # asks its server and proposes LEAD if it can grant (in placement order); a draining
+        # server grants nothing new, its replicas being about to move.
+        reps = st.replicas
         ex = st.executor
-        if ex is not None and not ex.cordoned:
-            lease = ex.book.grant(g, st.sid, t)
-            if lease is not None:
-                ex.view = None
-                self._start(st, t, ex, lease)
-                return
-        for node in st.replicas:
-            if node is ex or node.cordoned:
-                continue
-            lease = node.book.grant(g, st.sid, t)
-            if lease is not None:
-                node.view = None
-                self._start(st, t, node, lease)
-                return
+        e = Election("", 0, reps.index(ex) if ex is not None and ex in reps else None, len(reps))
+        for i, node in enumerate(reps):
+            e.add_proposal(i, not node.cordoned and node.book.free >= g)
+        choice = local_choice(e, timed_out=False)
+        if choice is not None and choice != FAILED:
+            node = reps[choice]
+            node.view = None
+            self._start(st, t, node, node.book.grant(g, st.sid, t))
+            return
         if self._migrate(st, t):
             return
         st.waiting = True

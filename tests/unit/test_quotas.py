@@ -166,6 +166,7 @@ def render_scheduler_toml(tmp_path, **quotas):
     values = {**yaml.safe_load((role / "defaults" / "main.yml").read_text()), **quotas}
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
     env.filters["to_json"] = json.dumps
+    env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).strip().lower() in ("1", "on", "true", "yes")
     text = env.from_string((role / "templates" / "scheduler.toml.j2").read_text()).render(
         ansible_managed="Ansible managed", gpuhub_hub_address="10.0.0.2", gpuhub_hub_api_port=8081,
         gpuhub_scheduler_port=8600, **values)
@@ -223,3 +224,20 @@ def test_a_malformed_view_is_ignored_not_turned_into_errors(bad):
     assert gate.view["limits"] == [good]
     with pytest.raises(QuotaRefused):
         gate.check("alice", "k1", 1, [], meter, TUESDAY)
+
+
+def test_the_scheduler_file_carries_the_elastic_pool_settings(tmp_path):
+    import tomllib
+
+    from gpuhub.scheduler.config import SchedulerConfig
+
+    path = render_scheduler_toml(tmp_path, gpuhub_pool_enabled="yes", gpuhub_pool_min_active=4,
+                                 gpuhub_pool_release_command="/usr/local/sbin/gpuhub-power off",
+                                 gpuhub_pool_acquire_command='/usr/local/sbin/take "gpu pool"')
+    data = tomllib.loads(path.read_text())
+    assert data["pool_enabled"] is True and data["pool_min_active"] == 4
+    assert data["pool_acquire_command"] == '/usr/local/sbin/take "gpu pool"'
+    config = SchedulerConfig(**{k: v for k, v in data.items() if k.startswith("pool_")})
+    assert config.pool_problem() is None and config.pool_release_after_s == 300.0
+    off = tomllib.loads(render_scheduler_toml(tmp_path).read_text())
+    assert off["pool_enabled"] is False and off["pool_release_command"] == ""
