@@ -18,8 +18,9 @@ cells waiting for one):
 
 - keep ``demand + headroom_gpus`` GPUs in active (or coming) servers, and at least ``min_active``
   servers, at most ``max_active``; the replicas placed must also fit under the subscription ratio;
-- keep ``spare_servers`` active servers (or coming ones) that could grant the largest request of
-  a kernel now (``largest_request``; a whole server when unknown): idle GPUs scattered over busy
+- keep ``spare_servers`` active servers (or coming ones) that could take a replica of the kernel
+  with the largest request (``largest_request``; a whole server when unknown) under the
+  subscription ratio and grant its cell now: idle GPUs scattered over busy
   servers cannot run a cell that needs many of them, and a spare can take it at once (migration
   prefers the fullest server that fits, so the spare stays free for such a cell);
 - short of that: undrain draining servers first (free, instant), then acquire lent ones;
@@ -32,7 +33,7 @@ cells waiting for one):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 STATES = ("active", "draining", "lent", "acquiring", "lost")
@@ -113,24 +114,33 @@ class PoolPolicy:
         return max(wanted, room)
 
     def plan(self, servers: Sequence[PoolServer], demand_gpus: int, now: float,
-             largest_request: int | None = None) -> PoolPlan:
+             largest_request: int | None = None, lent: Collection[PoolServer] | None = None) -> PoolPlan:
         """What to do now, for ``demand_gpus`` GPUs granted or waiting; ``largest_request``: the most
-        GPUs a kernel asks for per cell (None: a whole server)."""
+        GPUs a kernel asks for per cell (None: a whole server). ``lent``, when given, lists the lent
+        servers in the order to acquire them (largest first), and ``servers`` holds no lent one: a
+        caller with many lent servers saves going through them at every decision."""
         s = self.settings
         by_state: dict[str, list[PoolServer]] = {st: [] for st in STATES}
         for v in servers:
             by_state[v.state].append(v)
+        total = len(servers)
+        if lent is None:
+            lent = sorted(by_state["lent"], key=lambda v: (-v.gpu_count, v.name))
+        else:
+            total += len(lent)
         active, draining = by_state["active"], by_state["draining"]
         coming = by_state["acquiring"]
         wanted = self.wanted_gpus(servers, demand_gpus)
         have = sum(v.gpu_count for v in active) + sum(v.gpu_count for v in coming)
         count = len(active) + len(coming)
         def can_spare(v: PoolServer) -> bool:
-            return v.gpu_count - v.committed >= (v.gpu_count if largest_request is None
-                                                  else min(largest_request, v.gpu_count))
+            """It could take a replica of the largest kernel and grant its cell now (migration.py)."""
+            need = v.gpu_count if largest_request is None else min(largest_request, v.gpu_count)
+            room = s.max_subscription_ratio * v.gpu_count * s.replicas - v.pending
+            return v.gpu_count - v.committed >= need and room >= need
 
         spare = sum(1 for v in active if can_spare(v)) + len(coming)
-        cap = s.max_active or len(servers)
+        cap = s.max_active or total
         # Released: drained servers that hold nothing any more.
         release = tuple(v.name for v in draining if v.replicas == 0 and v.committed == 0)
 
@@ -152,7 +162,7 @@ class PoolPolicy:
                 count += 1
                 spare += can_spare(v)
             # The largest lent servers first: fewest hooks to run for the GPUs wanted.
-            for v in sorted(by_state["lent"], key=lambda v: (-v.gpu_count, v.name)):
+            for v in lent:
                 if enough() or count >= cap:
                     break
                 acquire.append(v.name)
@@ -163,6 +173,9 @@ class PoolPolicy:
                             release=tuple(n for n in release if n not in undrain), wanted_gpus=wanted)
 
         # Enough, maybe too much: drain what is surplus once the surplus has lasted.
+        if count <= s.min_active or not active or have - min(v.gpu_count for v in active) < wanted:
+            self.surplus_since = None  # no server to spare (the common case: decided without a sort)
+            return PoolPlan(release=release, wanted_gpus=wanted)
         drain: list[str] = []
         room = s.drain_step - sum(1 for v in draining if v.name not in release)
         cands = sorted(active, key=lambda v: (v.committed > 0, v.replicas, v.pending, v.committed, v.name))

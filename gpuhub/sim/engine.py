@@ -208,8 +208,10 @@ class _Node:
         "bucket",
         "cordoned",
         "idx",
+        "lent_view",
         "name",
         "pool",
+        "pool_server",
         "residents",
         "view",
         "waiters",
@@ -222,6 +224,8 @@ class _Node:
         self.active = False
         self.cordoned = False
         self.pool = "lent"  # --elastic: its pool state (gpuhub/scheduler/pool.py STATES)
+        self.lent_view: PoolServer | None = None  # --elastic: how the pool sees it while lent
+        self.pool_server: tuple | None = None  # --elastic: (view, pool state, PoolServer) last built
         self.residents: dict = {}  # gpuhub: replica key -> (session state, replica index)
         self.view: NodeView | None = None  # cached NodeView, None when stale
         self.waiters: deque = deque()  # gpuhub: (session state, wait token)
@@ -231,6 +235,25 @@ class _Node:
 
     def idle(self) -> bool:
         return not self.book.leases and not self.book.placed
+
+
+class _Lent:
+    """The lent nodes as the pool rule reads them (``PoolPolicy.plan(lent=...)``), in the order
+    they were lent, without building a list of them at every decision."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, _Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self):
+        return (n.lent_view for n in self.nodes.values())
+
+    def __contains__(self, item) -> bool:
+        return any(v is item for v in self)
 
 
 class _SState:
@@ -370,6 +393,11 @@ class Simulator:
         self.timeline: list = []
         self.live_sessions = 0
         self.placed_by_gpus: dict[int, int] = {}  # gpuhub: sessions placed now, by the GPUs they ask
+        # --elastic: the nodes not lent, the lent ones, and what the pool last looked at
+        self.pooled: dict[int, _Node] = {}
+        self.lent = _Lent()
+        self.pool_version = 0  # bumps whenever a GPU, a replica or a node's pool state changes
+        self.pool_seen: tuple | None = None
 
     # ------------------------------------------------------------------ utilities
     def _push(self, t: float, kind: int, obj) -> None:
@@ -377,6 +405,7 @@ class Simulator:
         heapq.heappush(self.heap, (t, kind, self.seq, obj))
 
     def _held(self, delta: int, t: float) -> None:
+        self.pool_version += 1
         self.committed_now += delta
         self.peak_committed = max(self.peak_committed, self.committed_now)
         if self.cfg.record_timeline:
@@ -446,9 +475,14 @@ class Simulator:
                 self._set_active(node, True, t0)
             self._push(t0, _AUTOSCALE, None)
         elif self.pool is not None:
+            for node in self.nodes:
+                node.lent_view = PoolServer(node.name, node.book.gpu_count, "lent")
+                self.lent.nodes[node.idx] = node
             for node in self.nodes[: self.pool.settings.min_active]:
                 self._set_active(node, True, t0)
                 node.pool = "active"
+                del self.lent.nodes[node.idx]
+                self.pooled[node.idx] = node
             self._push(t0, _POOL, None)
         else:
             for node in self.nodes:
@@ -558,6 +592,7 @@ class Simulator:
             reps.append(node)
         st.replicas = reps
         st.placed = True
+        self.pool_version += 1
         self.placed_by_gpus[st.s.gpus] = self.placed_by_gpus.get(st.s.gpus, 0) + 1
         self._waited(st, t)
         return True
@@ -594,6 +629,7 @@ class Simulator:
                     node.residents.pop(key, None)
                     node.view = None
                 st.replicas = []
+                self.pool_version += 1
                 self.placed_by_gpus[st.s.gpus] -= 1
                 self._drain_place_queue(t)
             else:
@@ -707,6 +743,7 @@ class Simulator:
         target.book.place(key, st.s.gpus)
         target.residents[key] = (st, i)
         source.view = target.view = None
+        self.pool_version += 1
         st.replicas[i] = target
         if st.executor is source:
             st.executor = None
@@ -814,20 +851,35 @@ class Simulator:
 
     # ------------------------------------------------------------------ elastic pool (--elastic)
     def _pool_tick(self, t: float) -> None:
-        """One decision of the product's pool rule (gpuhub/scheduler/pool.py), then the drains' moves."""
+        """One decision of the product's pool rule (gpuhub/scheduler/pool.py), then the drains' moves.
+        Skipped when nothing it looks at changed since an empty decision (no surplus being timed):
+        the rule would decide the same."""
+        pool = self.pool
+        seen = (self.pool_version, self.waiting_gpus, len(self.place_queue))
+        if seen == self.pool_seen and pool.surplus_since is None:
+            if self.live_sessions > 0:
+                self._push(t + self.cfg.pool_interval_s, _POOL, None)
+            return
         servers = []
-        for n in self.nodes:
-            b = n.book
-            if n.pool == "lent" or n.pool == "acquiring":
-                servers.append(PoolServer(n.name, b.gpu_count, n.pool))
-            else:
-                servers.append(PoolServer(n.name, b.gpu_count, n.pool, b.committed, b.pending, len(n.residents)))
+        for n in self.pooled.values():
+            v = self._view(n)  # cached until the node's GPUs or replicas change
+            cached = n.pool_server
+            if cached is None or cached[0] is not v or cached[1] != n.pool:
+                ps = (PoolServer(n.name, v.gpu_count, n.pool) if n.pool == "acquiring" else
+                      PoolServer(n.name, v.gpu_count, n.pool, v.committed, v.pending, len(n.residents)))
+                cached = n.pool_server = (v, n.pool, ps)
+            servers.append(cached[2])
         demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
         largest = max((g for g, n in self.placed_by_gpus.items() if n), default=0)
-        plan = self.pool.plan(servers, demand, t, largest_request=largest)
+        plan = pool.plan(servers, demand, t, largest_request=largest, lent=self.lent)
+        self.pool_seen = None if plan else seen
+        if plan:
+            self.pool_version += 1
         for name in plan.release:
             node = self.nodes[int(name[1:])]
             node.pool = "lent"
+            del self.pooled[node.idx]
+            self.lent.nodes[node.idx] = node
             self._set_active(node, False, t)
             self.servers_released += 1
         for name in plan.undrain:
@@ -838,6 +890,8 @@ class Simulator:
             node = self.nodes[int(name[1:])]
             self._account_prov(t)
             node.pool = "acquiring"
+            del self.lent.nodes[node.idx]
+            self.pooled[node.idx] = node
             self.acquiring_count += 1
             self._held(0, t)  # a timeline point: provisioned rose
             self.servers_acquired += 1
@@ -846,7 +900,7 @@ class Simulator:
             node = self.nodes[int(name[1:])]
             node.pool, node.cordoned, node.view = "draining", True, None
             self._rebucket(node)
-        for node in self.nodes:
+        for node in list(self.pooled.values()):
             if node.pool == "draining" and node.residents:
                 self._drain_node(node, t)
         if plan.undrain:
@@ -855,6 +909,7 @@ class Simulator:
             self._push(t + self.cfg.pool_interval_s, _POOL, None)
 
     def _acquired(self, node: _Node, t: float) -> None:
+        self.pool_version += 1
         self._account_prov(t)
         self.acquiring_count -= 1
         node.pool = "active"

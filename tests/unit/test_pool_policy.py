@@ -148,3 +148,21 @@ def test_plans_are_consistent_and_consolidation_terminates(specs, demand, min_ac
     active = [v for v in usable if v.state in ("active", "acquiring")]
     # settled: the minimum is kept whenever there are servers for it
     assert len(active) >= min(min_active, len(usable))
+
+
+def test_a_server_too_subscribed_to_take_a_replica_is_no_spare():
+    # b has 8 idle GPUs, but its replicas fill it to the subscription ratio: no kernel can move there
+    pool = PoolPolicy(PoolSettings(min_active=1, spare_servers=1, max_subscription_ratio=1.0, replicas=3))
+    view = [PoolServer("a", 8, "active", 8, 0, 0), PoolServer("b", 8, "active", 0, 20, 10),
+            PoolServer("c", 8, "lent")]
+    assert pool.plan(view, 8, now=0, largest_request=8).acquire == ("c",)
+    roomy = [view[0], replace(view[1], pending=16), view[2]]
+    assert not pool.plan(roomy, 8, now=0, largest_request=8).acquire
+
+
+def test_the_lent_servers_may_come_apart_from_the_others_in_the_order_to_acquire():
+    pool = PoolPolicy(PoolSettings(min_active=1, spare_servers=0))
+    active = [PoolServer("a", 8, "active", 8, 0, 0)]
+    lent = [PoolServer("z", 8, "lent"), PoolServer("b", 8, "lent")]
+    assert pool.plan(active, 12, now=0, lent=lent).acquire == ("z",)  # the caller's order
+    assert pool.plan([*active, *lent], 12, now=0).acquire == ("b",)  # else largest, then by name
