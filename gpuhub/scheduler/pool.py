@@ -133,11 +133,13 @@ class PoolPolicy:
         wanted = self.wanted_gpus(servers, demand_gpus)
         have = sum(v.gpu_count for v in active) + sum(v.gpu_count for v in coming)
         count = len(active) + len(coming)
+        per_gpu = s.max_subscription_ratio * s.replicas  # pending a server may hold per GPU
+
         def can_spare(v: PoolServer) -> bool:
             """It could take a replica of the largest kernel and grant its cell now (migration.py)."""
-            need = v.gpu_count if largest_request is None else min(largest_request, v.gpu_count)
-            room = s.max_subscription_ratio * v.gpu_count * s.replicas - v.pending
-            return v.gpu_count - v.committed >= need and room >= need
+            g = v.gpu_count
+            need = g if largest_request is None or largest_request > g else largest_request
+            return g - v.committed >= need and per_gpu * g - v.pending >= need
 
         spare = sum(1 for v in active if can_spare(v)) + len(coming)
         cap = s.max_active or total
