@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> str:
 
 def scale() -> str:
     trace = generate(GenConfig(sessions=22000, hours=4320.0, seed=7))
-    lines = [f"### A million cells at 1,000 servers (`python -m bench.elastic_bench --scale`)\n",
+    lines = ["### A million cells at 1,000 servers (`python -m bench.elastic_bench --scale`)\n",
              f"{trace.cell_count:,} cells, {len(trace.sessions):,} sessions; generation excluded.\n",
              "| sizing | seconds | events | provisioned / reserved | p99 s |", "|---|---:|---:|---:|---:|"]
     for label, kw in (("fixed, 1,000 servers", {}), ("elastic pool, 1,000 servers", {"elastic": True})):
