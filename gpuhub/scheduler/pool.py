@@ -114,12 +114,15 @@ class PoolPolicy:
         return max(wanted, room)
 
     def plan(self, servers: Sequence[PoolServer], demand_gpus: int, now: float,
-             largest_request: int | None = None, lent: Collection[PoolServer] | None = None) -> PoolPlan:
+             largest_request: int | None = None, lent: Collection[PoolServer] | None = None,
+             min_servers: int = 0) -> PoolPlan:
         """What to do now, for ``demand_gpus`` GPUs granted or waiting; ``largest_request``: the most
         GPUs a kernel asks for per cell (None: a whole server). ``lent``, when given, lists the lent
         servers in the order to acquire them (largest first), and ``servers`` holds no lent one: a
-        caller with many lent servers saves going through them at every decision."""
+        caller with many lent servers saves going through them at every decision. ``min_servers``
+        raises ``min_active`` (the most replicas a kernel has: each needs a server of its own)."""
         s = self.settings
+        least = max(s.min_active, min_servers)
         by_state: dict[str, list[PoolServer]] = {st: [] for st in STATES}
         for v in servers:
             by_state[v.state].append(v)
@@ -147,7 +150,7 @@ class PoolPolicy:
         release = tuple(v.name for v in draining if v.replicas == 0 and v.committed == 0)
 
         def enough() -> bool:
-            return have >= wanted and count >= s.min_active and spare >= s.spare_servers
+            return have >= wanted and count >= least and spare >= s.spare_servers
 
         if not enough():
             self.surplus_since = None
@@ -157,7 +160,7 @@ class PoolPolicy:
             for v in sorted(draining, key=lambda v: (-v.replicas, v.name)):
                 if enough() or count >= cap:
                     break
-                if have >= wanted and count >= s.min_active and not can_spare(v):
+                if have >= wanted and count >= least and not can_spare(v):
                     continue  # only a spare is missing, and this one is not
                 undrain.append(v.name)
                 have += v.gpu_count
@@ -175,14 +178,14 @@ class PoolPolicy:
                             release=tuple(n for n in release if n not in undrain), wanted_gpus=wanted)
 
         # Enough, maybe too much: drain what is surplus once the surplus has lasted.
-        if count <= s.min_active or not active or have - min(v.gpu_count for v in active) < wanted:
+        if count <= least or not active or have - min(v.gpu_count for v in active) < wanted:
             self.surplus_since = None  # no server to spare (the common case: decided without a sort)
             return PoolPlan(release=release, wanted_gpus=wanted)
         drain: list[str] = []
         room = s.drain_step - sum(1 for v in draining if v.name not in release)
         cands = sorted(active, key=lambda v: (v.committed > 0, v.replicas, v.pending, v.committed, v.name))
         for v in cands:
-            if len(drain) >= room or count - 1 < s.min_active or have - v.gpu_count < wanted:
+            if len(drain) >= room or count - 1 < least or have - v.gpu_count < wanted:
                 break
             if v.committed:
                 break  # GPUs granted there: it empties by itself, and draining it would only idle it longer
@@ -191,7 +194,7 @@ class PoolPolicy:
             drain.append(v.name)
             have -= v.gpu_count
             count -= 1
-            spare -= v.committed == 0
+            spare -= can_spare(v)
         if not drain:
             self.surplus_since = None
             return PoolPlan(release=release, wanted_gpus=wanted)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import shlex
+import signal
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 WAITING_TTL_S = 15.0
 # Hook output kept for the log line (the tail: errors come last).
 HOOK_OUTPUT_CHARS = 2000
+# A server name a hook may get as its argument (never one that reads as an option).
+HOOK_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 
 class HookFailed(RuntimeError):
@@ -41,23 +46,32 @@ class HookFailed(RuntimeError):
 
 
 async def run_hook(command: str, node: str, timeout_s: float) -> str:
-    """Run ``command NODE`` (split like a shell would, no shell); its output, or HookFailed."""
+    """Run ``command NODE`` (split like a shell would, no shell, in a process group of its own);
+    its output, or HookFailed."""
+    if not HOOK_NODE.match(node):
+        raise HookFailed(f"refused to pass the server name {node!r} to a hook")
     argv = [*shlex.split(command), node]
     try:
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
+                                                    stderr=asyncio.subprocess.STDOUT, start_new_session=True)
     except OSError as exc:
         raise HookFailed(f"could not start {argv[0]!r}: {exc.strerror or exc}") from None
+
+    async def kill() -> None:  # the hook and whatever it started
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await asyncio.shield(proc.wait())
+
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        await kill()
         raise HookFailed(f"still running after {timeout_s:g} s (pool_hook_timeout_s); killed") from None
     except asyncio.CancelledError:  # the scheduler stops: no hook outlives it
-        proc.kill()
-        await asyncio.shield(proc.wait())
+        await kill()
         raise
     text = out.decode(errors="replace").strip()[-HOOK_OUTPUT_CHARS:]
     if proc.returncode != 0:
@@ -74,6 +88,7 @@ class ElasticPool:
             min_active=c.pool_min_active, max_active=c.pool_max_active, headroom_gpus=c.pool_headroom_gpus,
             spare_servers=c.pool_spare_servers, release_after_s=c.pool_release_after_s,
             max_subscription_ratio=c.max_subscription_ratio, replicas=3))
+        self._hooks: dict[str, asyncio.Task] = {}  # server -> its hook now running (one at a time)
         self.acts = bool(c.pool_release_command)  # without hooks: report only
         self.waiting: dict[str, tuple[int, float]] = {}  # kernel -> (GPUs its cell waits for, when it asked)
         self.resting: dict[str, float] = {}  # server -> until when it is not acquired again (a failed acquire)
@@ -82,7 +97,6 @@ class ElasticPool:
         self.last_plan = PoolPlan()
         self.demand = 0
         self._reported: str = ""  # the last "would do" line, logged once
-        self._tasks: set[asyncio.Task] = set()
 
     # --- what the scheduler tells it ----------------------------------------------------------------
     def cell_waits(self, kernel_id: str, gpus: int) -> None:
@@ -91,6 +105,11 @@ class ElasticPool:
 
     def cell_placed(self, kernel_id: str) -> None:
         self.waiting.pop(kernel_id, None)
+
+    def placement_failed(self, kernel_id: str) -> None:
+        """A new kernel found no servers for its replicas: the pool wants a server more."""
+        largest = max((self.s.node_view(r).gpu_count for r in self.s.nodes.values()), default=1)
+        self.waiting["placement:" + kernel_id] = (largest, time.monotonic())
 
     def state(self, rec: NodeRecord) -> str:
         """The pool's name for a server: active, draining, lent, acquiring or lost."""
@@ -110,6 +129,8 @@ class ElasticPool:
             state = self.state(rec)
             if state == "lent" and self.resting.get(rec.name, 0.0) > time.monotonic():
                 state = "lost"  # resting after a failed acquire: the pool tries another
+            elif rec.name in self._hooks and state != "acquiring":
+                state = "lost"  # its release hook runs: not the pool's to count or touch meanwhile
             v = self.s.node_view(rec)
             busy = state in ("active", "draining")
             out.append(PoolServer(rec.name, v.gpu_count, state, v.committed if busy else 0,
@@ -119,7 +140,7 @@ class ElasticPool:
     def current_demand(self) -> int:
         now = time.monotonic()
         for kid, (_, since) in list(self.waiting.items()):
-            if now - since > WAITING_TTL_S or kid not in self.s.kernels:
+            if now - since > WAITING_TTL_S or (kid not in self.s.kernels and not kid.startswith("placement:")):
                 del self.waiting[kid]
         committed = sum(self.s.node_view(r).committed for r in self.s.nodes.values() if self.s.live(r))
         return committed + sum(g for g, _ in self.waiting.values())
@@ -128,7 +149,10 @@ class ElasticPool:
         self._check_acquiring()
         self.demand = self.current_demand()
         largest = max((k.gpus for k in self.s.kernels.values()), default=0)
-        plan = self.policy.plan(self.servers(), self.demand, time.time(), largest_request=largest or None)
+        # every replica of a kernel needs a server of its own (3 when the kernelspecs ask for the default)
+        replicas = max((len(k.replicas) for k in self.s.kernels.values()), default=3)
+        plan = self.policy.plan(self.servers(), self.demand, time.time(), largest_request=largest or None,
+                                min_servers=max(3, replicas))
         self.last_plan = plan
         if not self.acts:
             self._report(plan)
@@ -142,13 +166,18 @@ class ElasticPool:
             self._set(name, "draining", f"draining to lend it ({why}); its replicas move away")
             self.events["drained"] += 1
         for name in plan.release:
-            await self._release(name)
+            self._start_hook(name, self._release(name))
         for name in plan.acquire:
             self._set(name, "acquiring", f"acquiring: {why}, or no spare server")
-            task = asyncio.ensure_future(self._acquire(name))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start_hook(name, self._acquire(name))
         return plan
+
+    def _start_hook(self, name: str, work) -> None:
+        """Run a hook's work in the background, one at a time per server: a slow hook holds
+        neither the pool's next decisions nor another server's hook."""
+        task = asyncio.ensure_future(work)
+        self._hooks[name] = task
+        task.add_done_callback(lambda _t: self._hooks.pop(name, None))
 
     def _report(self, plan: PoolPlan) -> None:
         parts = [f"{verb} {', '.join(names)}" for verb, names in
@@ -169,6 +198,13 @@ class ElasticPool:
 
     # --- hooks -------------------------------------------------------------------------------------
     async def _release(self, name: str) -> None:
+        # The books may lag: a kernel being created or a replica moving may be on its way there.
+        info = await self.s.ask_node(name)
+        busy = self.s.busy_targets()
+        if info is None or int(info.get("pending", 0)) or int(info.get("committed", 0)) or name in busy:
+            log.info("pool: %s is not released yet: %s", name, "its agent does not answer" if info is None
+                     else "a replica is on its way there or holds GPUs")
+            return
         try:
             out = await run_hook(self.config.pool_release_command, name, self.config.pool_hook_timeout_s)
         except HookFailed as exc:
@@ -189,10 +225,17 @@ class ElasticPool:
             self._acquire_failed(name, f"gpuhub_pool_acquire_command {exc}")
             return
         self.hook_runs["acquire", "ok"] += 1
+        rec = self.s.nodes.get(name)
+        if rec is not None and rec.pool == "acquiring":
+            rec.pool_since = time.time()  # its agent must heartbeat after this (a lent one may never have stopped)
+            self.s.save()
         if out:
             log.info("pool: acquire hook for %s: %s", name, out)
 
     def _acquire_failed(self, name: str, why: str) -> None:
+        rec = self.s.nodes.get(name)
+        if rec is None or rec.pool != "acquiring":
+            return
         self.resting[name] = time.monotonic() + self.config.pool_retry_s
         log.error("pool: acquiring %s failed: %s; it stays lent for %g s while the pool tries another server",
                   name, why, self.config.pool_retry_s)
@@ -203,8 +246,8 @@ class ElasticPool:
         stays silent past ``pool_acquire_timeout_s`` failed to come back."""
         now = time.time()
         for rec in list(self.s.nodes.values()):
-            if rec.pool != "acquiring":
-                continue
+            if rec.pool != "acquiring" or rec.name in self._hooks:
+                continue  # (the hook still runs: the server is not ours before it ends)
             if rec.last_seen > rec.pool_since and self.s.live(rec):
                 self.events["acquired"] += 1
                 self._set(rec.name, "", f"acquired: its agent is back after {now - rec.pool_since:.0f} s")
@@ -215,9 +258,10 @@ class ElasticPool:
 
     async def close(self) -> None:
         """Stop the hooks still running (the scheduler stops); their servers' state is in the books."""
-        for task in list(self._tasks):
+        tasks = list(self._hooks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def counts(self) -> Counter:
         """Servers by pool state (for gpuhub_pool_servers)."""

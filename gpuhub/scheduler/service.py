@@ -122,6 +122,7 @@ class Scheduler:
         self._moves: dict[str, str] = {}  # kernel -> the server a replica of it is moving to now
         self._last_migration: dict[str, float] = {}  # kernel -> when its last migration began (monotonic)
         self._tasks: set[asyncio.Task] = set()  # migrations under way
+        self._placing: dict[str, list[str]] = {}  # kernel being created -> the servers chosen for it
         self.started = time.time()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
@@ -158,11 +159,11 @@ class Scheduler:
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
             self.kernels[kid] = KernelRecord(**k, replicas=reps)
         self.quotas.ledger = UsageLedger.from_dict(data.get("usage", {}))
-        if self.pool is None:  # the pool was turned off: what it lent is the admin's again
+        if self.pool is None or not self.pool.acts:  # no pool, or one that only reports: nothing is lent
             for rec in self.nodes.values():
                 if rec.pool:
-                    log.warning("node %s was %s by the elastic pool, which is off now: back in service once "
-                                "its agent heartbeats", rec.name, rec.pool)
+                    log.warning("node %s was %s by the elastic pool, which is off or only reports now: back in "
+                                "service once its agent heartbeats", rec.name, rec.pool)
                     rec.pool = ""
 
     # --- nodes -----------------------------------------------------------------
@@ -257,6 +258,10 @@ class Scheduler:
                                  f"its replica to: its other replicas hold every other schedulable server "
                                  f"({len(others)}); add a server or undrain one first")
 
+    def busy_targets(self) -> set[str]:
+        """Servers a replica is on its way to: chosen for a kernel being created, or a move's target."""
+        return {n for nodes in self._placing.values() for n in nodes} | {t for t in self._moves.values() if t}
+
     def live(self, rec: NodeRecord) -> bool:
         return time.time() - rec.last_seen <= self.config.node_timeout_s
 
@@ -332,8 +337,19 @@ class Scheduler:
                                     pack=self.pool is not None)
         except PlacementError:
             self.counters["placement_failures"] += 1
+            if self.pool is not None:  # a kernel no active server set can take: the pool needs a server
+                self.pool.placement_failed(kernel_id)
             raise
         record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time(), cwd=cwd, key=key)
+        self._placing[kernel_id] = [n.name for n in chosen]  # the pool releases none of them meanwhile
+        try:
+            return await self._start_kernel(record, chosen, key, cwd, started)
+        finally:
+            self._placing.pop(kernel_id, None)
+
+    async def _start_kernel(self, record: KernelRecord, chosen: list[NodeView], key: str, cwd: str,
+                            started: float) -> KernelRecord:
+        kernel_id, user = record.kernel_id, record.user
         # The replicas start at once, each on its own server: a kernel starts in the time of the
         # slowest unit start, not of all three in a row.
         started_units = await asyncio.gather(

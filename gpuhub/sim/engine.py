@@ -855,7 +855,8 @@ class Simulator:
         Skipped when nothing it looks at changed since an empty decision (no surplus being timed):
         the rule would decide the same."""
         pool = self.pool
-        seen = (self.pool_version, self.waiting_gpus, len(self.place_queue))
+        demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
+        seen = (self.pool_version, demand)
         if seen == self.pool_seen and pool.surplus_since is None:
             if self.live_sessions > 0:
                 self._push(t + self.cfg.pool_interval_s, _POOL, None)
@@ -869,9 +870,9 @@ class Simulator:
                       PoolServer(n.name, v.gpu_count, n.pool, v.committed, v.pending, len(n.residents)))
                 cached = n.pool_server = (v, n.pool, ps)
             servers.append(cached[2])
-        demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
         largest = max((g for g, n in self.placed_by_gpus.items() if n), default=0)
-        plan = pool.plan(servers, demand, t, largest_request=largest, lent=self.lent)
+        plan = pool.plan(servers, demand, t, largest_request=largest or None, lent=self.lent,
+                         min_servers=self.cfg.replicas)
         self.pool_seen = None if plan else seen
         if plan:
             self.pool_version += 1
@@ -886,6 +887,8 @@ class Simulator:
             node = self.nodes[int(name[1:])]
             node.pool, node.cordoned, node.view = "active", False, None
             self._rebucket(node)
+            if node.waiters:
+                self._wake(node, t)
         for name in plan.acquire:
             node = self.nodes[int(name[1:])]
             self._account_prov(t)
@@ -933,8 +936,13 @@ class Simulator:
             target = self.nodes[int(v.name[1:])]
             self._move(st, i, target)
             self.replica_moves += 1
-            if st.waiting:  # its cell now also waits for GPUs on the new node
-                target.waiters.append((st, st.token))
+            if st.waiting:  # its cell now waits on its new set of nodes (the old entries go stale)
+                st.token += 1
+                entry = (st, st.token)
+                for node_ in st.replicas:
+                    node_.waiters.append(entry)
+                if self.cfg.migration:
+                    self._push(t + self.cfg.migration_retry_s, _MIGRATE_RETRY, entry)
                 if target.book.free:
                     self._wake(target, t)
 

@@ -4,6 +4,7 @@ events that leave the pool consistent, and settings that cannot work are refused
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -21,6 +22,8 @@ import sys, time
 action, mode, log, node = sys.argv[1:5]
 if mode == "hang":
     time.sleep(60)
+if mode == "slow":
+    time.sleep(1)
 with open(log, "a") as fh:
     fh.write(f"{action} {node}\\n")
 if mode == "fail":
@@ -50,7 +53,18 @@ def pool_scheduler(tmp_path, hook, nodes=("a", "b", "c", "d"), release="ok", acq
     s = Scheduler(config, agent_token="t")
     for name in nodes:
         beat(s, name)
+
+    async def ask_node(name):  # the agent's answer now: as in the books (no agents here)
+        v = s.node_view(s.nodes[name])
+        return {"gpu_count": v.gpu_count, "pending": v.pending, "committed": v.committed}
+
+    s.ask_node = ask_node
     return s
+
+
+async def settle(s: Scheduler) -> None:
+    """Wait for the hooks the pool started in the background."""
+    await asyncio.gather(*list(s.pool._hooks.values()), return_exceptions=True)
 
 
 def beat(s: Scheduler, name: str, committed: int = 0) -> None:
@@ -76,7 +90,8 @@ async def test_idle_servers_drain_then_are_released_through_the_hook_with_their_
     assert not any(v.schedulable for v in s.node_views() if v.name in plan.drain)
     plan = await s.pool.step()
     assert plan.release == ("d", "e")
-    assert hook.log.read_text().splitlines() == ["release d", "release e"]
+    await settle(s)
+    assert sorted(hook.log.read_text().splitlines()) == ["release d", "release e"]
     assert states(s) == {"a": "active", "b": "active", "c": "active", "d": "lent", "e": "lent"}
     assert metric(s, "gpuhub_pool_servers", state="lent") == 2
     assert metric(s, "gpuhub_pool_hook_runs_total", hook="release", outcome="ok") == 2
@@ -96,6 +111,7 @@ async def test_a_drained_servers_replicas_move_before_it_is_released(tmp_path, h
     assert started == ["d"] and stopped == ["a"]
     assert sorted(r.node for r in record.replicas) == ["b", "c", "d"]
     plan = await s.pool.step()
+    await settle(s)
     assert plan.release == ("a",) and states(s)["a"] == "lent"
 
 
@@ -112,7 +128,7 @@ async def test_a_lent_server_is_acquired_when_demand_rises_and_is_active_once_it
     assert plan.acquire == ("c",) or plan.acquire == ("d",)
     name = plan.acquire[0]
     assert states(s)[name] == "acquiring"
-    await next(iter(s.pool._tasks))  # the hook, in the background
+    await settle(s)  # the hook, in the background
     assert hook.log.read_text().splitlines() == [f"acquire {name}"]
     assert states(s)[name] == "acquiring"  # until its agent says it is back
     s.nodes[name].pool_since -= 1  # the hook began a second ago
@@ -128,6 +144,7 @@ async def test_a_failing_release_keeps_the_server_in_service_and_is_counted(tmp_
     s.nodes["d"].pool = "draining"
     with caplog.at_level(logging.ERROR):
         await s.pool.step()
+        await settle(s)
     assert states(s)["d"] == "active"
     line = next(r.message for r in caplog.records if "releasing d failed" in r.message)
     assert "exited with status 3" in line and "no such node in slurm.conf" in line and "stays in service" in line
@@ -141,14 +158,14 @@ async def test_a_hanging_acquire_is_killed_and_the_server_rests_while_another_is
         beat(s, name, committed=2)
     first = (await s.pool.step()).acquire[0]
     with caplog.at_level(logging.ERROR):
-        await next(iter(s.pool._tasks))
+        await settle(s)
     assert states(s)[first] == "lent"
     assert any("killed" in r.message and first in r.message for r in caplog.records)
     second = (await s.pool.step()).acquire
     assert second and second[0] != first  # the failed one rests
     assert metric(s, "gpuhub_pool_hook_failures_total", hook="acquire") == 1
     await s.pool.close()  # its hook hangs too: killed, not left behind
-    assert not s.pool._tasks
+    assert not s.pool._hooks
 
 
 async def test_an_acquired_server_that_never_heartbeats_goes_back_to_lent(tmp_path, hook):
@@ -163,7 +180,7 @@ async def test_an_acquired_server_that_never_heartbeats_goes_back_to_lent(tmp_pa
 async def test_without_hooks_the_pool_only_reports(tmp_path, caplog):
     s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), pool_enabled=True, pool_min_active=1,
                                   pool_release_after_s=0), agent_token="t")
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "d", "e"):
         beat(s, name)
     with caplog.at_level(logging.INFO):
         plan = await s.pool.step()
@@ -214,4 +231,47 @@ def test_turning_the_pool_off_puts_what_it_lent_back_in_service(tmp_path, hook, 
     with caplog.at_level(logging.WARNING):
         off.load()
     assert off.nodes["d"].pool == ""
-    assert any("node d was lent by the elastic pool, which is off now" in r.message for r in caplog.records)
+    said = "node d was lent by the elastic pool, which is off or only reports now"
+    assert any(said in r.message for r in caplog.records)
+
+
+async def test_a_lent_server_that_keeps_heartbeating_is_not_active_before_its_acquire_hook_ends(tmp_path, hook):
+    # Slurm: the agent runs while the server is lent; the take hook waits for Slurm's jobs to end
+    s = pool_scheduler(tmp_path, hook, acquire="slow")
+    s.nodes["c"].pool = s.nodes["d"].pool = "lent"
+    for name in ("a", "b"):
+        beat(s, name, committed=2)
+    name = (await s.pool.step()).acquire[0]
+    beat(s, name)
+    await s.pool.step()
+    assert states(s)[name] == "acquiring"  # its hook still runs
+    assert name not in (await s.pool.step()).acquire  # and it is not acquired twice
+    await settle(s)
+    s.nodes[name].pool_since -= 1
+    beat(s, name)
+    await s.pool.step()
+    assert states(s)[name] == "active"
+
+
+async def test_a_server_a_replica_is_on_its_way_to_is_not_released(tmp_path, hook):
+    s = pool_scheduler(tmp_path, hook)
+    s.nodes["d"].pool = "draining"
+    s._placing["k9"] = ["b", "c", "d"]  # a kernel being created chose d before the drain
+    await s.pool.step()
+    await settle(s)
+    assert states(s)["d"] == "draining" and not hook.log.exists()
+    del s._placing["k9"]
+    await s.pool.step()
+    await settle(s)
+    assert states(s)["d"] == "lent"
+
+
+async def test_three_replicas_need_three_servers_and_a_failed_placement_is_demand(tmp_path, hook):
+    # the admin's minimum is 2, but a kernel's three replicas need three servers
+    s = pool_scheduler(tmp_path, hook, pool_min_active=2, pool_spare_servers=0)
+    s.nodes["c"].pool = s.nodes["d"].pool = "lent"
+    assert len((await s.pool.step()).acquire) == 1
+    await settle(s)
+    # a kernel that found no servers adds a server's GPUs to the demand for a while
+    s.pool.placement_failed("k2")
+    assert s.pool.current_demand() == 2
