@@ -14,7 +14,7 @@ import pytest
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.metrics import scheduler_registry
 from gpuhub.scheduler.pool_loop import HookFailed, run_hook
-from gpuhub.scheduler.service import NodeRecord, Scheduler
+from gpuhub.scheduler.service import Scheduler
 from tests.unit.test_scheduler_heal import kernel, stub_agents
 
 HOOK = """\
@@ -216,11 +216,6 @@ async def test_run_hook_reports_what_went_wrong():
         await run_hook("/nonexistent/hook", "gpu7", 5)
     with pytest.raises(HookFailed, match="status 2: boom"):
         await run_hook(f"{sys.executable} -c 'import sys; print(\"boom\"); sys.exit(2)'", "gpu7", 5)
-
-
-def test_nodes_carry_their_pool_state_in_the_books(tmp_path):
-    rec = NodeRecord("a", "http://a.invalid", {}, time.time(), pool="lent", pool_since=1.0)
-    assert rec.pool == "lent"
 
 
 def test_turning_the_pool_off_puts_what_it_lent_back_in_service(tmp_path, hook, caplog):
