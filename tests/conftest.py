@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(kind)
 
 
+def pytest_sessionstart(session):
+    # matplotlib builds its font cache on first use by running fc-list: a subprocess, which the unit
+    # tests' guard refuses. Build it here, before any test, so a fresh machine behaves as a used one.
+    try:
+        import matplotlib.font_manager  # noqa: F401  (importing builds the cache)
+    except ImportError:
+        pass
+
+
 class IsolationError(AssertionError):
     """A unit test opened a socket or started a process: it belongs in tests/integration/."""
 

@@ -12,7 +12,7 @@ from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.quota_gate import QuotaRefused
 from gpuhub.agent.service import Agent
-from gpuhub.agent.units import UnitError
+from gpuhub.agent.units import UnitConflict, UnitError
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.http_server import (
     ApiError,
@@ -24,27 +24,29 @@ from gpuhub.platform.schema import Body, invalid
 
 
 class AgentHandler(JsonHandler):
+    """``callers``: "admin" (the agent token: scheduler, hub, Prometheus) or "unit" (a kernel's
+    per-unit lease token, which allows leases for that unit only; the unit is ``self.unit``)."""
+
+    callers = ("admin",)
+
     def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None) -> None:
         self.agent = agent
         self.token = token
         self.scheduler_token = scheduler_token
+        self.unit = None
 
-    def require_admin(self) -> None:
-        """Scheduler, hub and Prometheus hold the agent token."""
-        if not tokens_equal(bearer_token(self), self.token):
+    async def authenticate(self) -> None:
+        token = bearer_token(self)
+        if "unit" in self.callers:
+            self.unit = self.agent.unit_for_lease_token(token)
+            if self.unit is None:
+                raise ApiError(401, "missing or invalid lease token")
+        elif not tokens_equal(token, self.token):
             raise ApiError(401, "missing or invalid token")
-
-    def require_unit(self):
-        """Kernels hold a per-unit lease token that allows leases for that unit only."""
-        unit = self.agent.unit_for_lease_token(bearer_token(self))
-        if unit is None:
-            raise ApiError(401, "missing or invalid lease token")
-        return unit
 
 
 class NodeHandler(AgentHandler):
     def get(self) -> None:
-        self.require_admin()
         self.write_json(self.agent.node_info())
 
 
@@ -93,12 +95,10 @@ class UnitRequest(Body):
 
 class UnitsHandler(AgentHandler):
     async def get(self) -> None:
-        self.require_admin()
         units = [await self.agent.unit_status(n) for n in list(self.agent.units)]
         self.write_json({"units": [u for u in units if u]})
 
     async def post(self) -> None:
-        self.require_admin()
         body = self.parse_body(UnitRequest)
         try:
             unit = await self.agent.start_unit(
@@ -113,6 +113,8 @@ class UnitsHandler(AgentHandler):
                 kernel_id=str(body.kernel.kernel_id),
                 replica_id=body.kernel.replica_id,
             )
+        except UnitConflict as exc:
+            raise ApiError(409, str(exc)) from None
         except (UnitError, LeaseError) as exc:
             raise ApiError(400, str(exc)) from None
         if body.quotas is not None:
@@ -123,14 +125,12 @@ class UnitsHandler(AgentHandler):
 
 class UnitHandler(AgentHandler):
     async def get(self, name: str) -> None:
-        self.require_admin()
         unit = await self.agent.unit_status(name, with_error=True)
         if unit is None:
             raise ApiError(404, f"no unit {name}")
         self.write_json(unit)
 
     async def delete(self, name: str) -> None:
-        self.require_admin()
         known = await self.agent.stop_unit(name)
         self.write_json({"stopped": name, "was_known": known})
 
@@ -194,7 +194,6 @@ class PeersRequest(Body):
 class PeersHandler(AgentHandler):
     def put(self, name: str) -> None:
         """The scheduler tells a kernel replica where its peers are (all replicas, itself included)."""
-        self.require_admin()
         if name not in self.agent.units:
             raise ApiError(404, f"no unit {name}")
         replicas = [r.entry() for r in self.parse_body(PeersRequest).replicas]
@@ -222,8 +221,10 @@ class LeaseRequest(Body):
 
 
 class LeasesHandler(AgentHandler):
+    callers = ("unit",)
+
     def post(self) -> None:
-        unit = self.require_unit()
+        unit = self.unit
         body = self.parse_body(LeaseRequest)
         gpus, pid = body.gpus, body.holder_pid
         try:
@@ -250,8 +251,10 @@ MAX_WAITED_S = 7 * 86400.0
 
 
 class LeaseHandler(AgentHandler):
+    callers = ("unit",)
+
     def delete(self, lease_id: str) -> None:
-        unit = self.require_unit()
+        unit = self.unit
         raw = self.get_query_argument("waited_s", None)
         waited_s = None
         if raw is not None:
@@ -266,11 +269,13 @@ class LeaseHandler(AgentHandler):
 
 
 class MigrationHandler(AgentHandler):
+    callers = ("unit",)
+
     async def post(self) -> None:
         """A kernel's cell waits for GPUs none of its servers can grant: ask the scheduler, on its
         behalf, to move one of its replicas to a server that can (gpuhub/scheduler/migration.py).
         The kernel's lease token names the kernel; the scheduler's answer is passed on."""
-        unit = self.require_unit()
+        unit = self.unit
         if unit.kind != "kernel" or not unit.kernel_id:
             raise ApiError(400, f"unit {unit.name} is not a kernel replica")
         if not self.agent.config.scheduler_url or not self.scheduler_token:
@@ -289,7 +294,6 @@ class MigrationHandler(AgentHandler):
 class QuotaViewHandler(AgentHandler):
     def get(self) -> None:
         """What this agent enforces: the scheduler's last quota view and its own unreported usage."""
-        self.require_admin()
         self.write_json({"view": self.agent.quota_gate.view, "unreported": self.agent.meter.to_dict(),
                          "refusals": self.agent.quota_refusals})
 
@@ -300,7 +304,6 @@ class MetricsHandler(AgentHandler):
         self.registry = agent_registry(agent)
 
     def get(self) -> None:
-        self.require_admin()
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(generate_latest(self.registry))
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 from traitlets import Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
-from traitlets.config import Configurable
+
+from gpuhub.platform.http_server import HttpLimits
 
 
-class AgentConfig(Configurable):
+class AgentConfig(HttpLimits):
     """The agent's settings; in the TOML file as top-level keys."""
 
     node_name = Unicode(config=True, help="This node's name in the scheduler's books (default: the host name).")

@@ -20,6 +20,7 @@ class UnitRecord:
     created_at: float = 0.0
     connection: dict | None = None  # kernels: ip, 5 Jupyter ports, raft_port, blob_port, transport… (no key)
     replica_id: int = 0  # kernels: this replica's id in its kernel's Raft group
+    key_sha256: str = ""  # kernels: a start under the same name must bring the same key
 
 
 def raft_addr(conn: dict | None) -> str | None:

@@ -7,6 +7,7 @@ and forgets nothing (docs/architecture.md D5).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -39,7 +40,7 @@ from gpuhub.agent.recovery import (
     pid_alive,
     saved_leases,
 )
-from gpuhub.agent.units import UNIT_NAME, UnitError, UnitSpec, make_runner
+from gpuhub.agent.units import UNIT_NAME, UnitConflict, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform import releases
 from gpuhub.platform.store import CorruptStore, JsonStore
@@ -190,6 +191,7 @@ class Agent:
         if name in self.units:
             st = await self.runner.status(name)
             if st.active:
+                self._check_same_unit(self.units[name], kind, user, gpus, key)
                 return self.unit_view(self.units[name], st.state, st.main_pid)  # idempotent start
             await self.runner.stop(name)
             self._forget(name)
@@ -203,6 +205,7 @@ class Agent:
                 raise UnitError("a kernel unit needs the kernel's connection key")
             token = secrets.token_urlsafe(32)
             record.lease_token_sha256 = sha256(token)
+            record.key_sha256 = sha256(key)
             record.replica_id = replica_id
             taken = ports_taken(u.connection for u in self.units.values())
             conn = kernel_connection(self.config.kernel_ip, self.config.kernel_ports, taken)
@@ -229,6 +232,10 @@ class Agent:
             if not argv or not all(isinstance(a, str) for a in argv):
                 raise UnitError("a server unit needs 'argv', a list of strings")
             memory, cpu = limits.get("server_memory_max", ""), limits.get("server_cpu_quota", "")
+        if kind == "server" or not gpus:
+            # GPUs come with a grant only (a GPU cell's child sets its own): CUDA shows a CPU kernel,
+            # a user's server and the local kernels it starts no device at all.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         argv, env = self.pinned(argv, env)
         spec = UnitSpec(name=name, kind=kind, user=user, argv=argv, env=env, cwd=cwd,
                         memory_max=memory, cpu_quota=cpu, files=files)
@@ -248,6 +255,14 @@ class Agent:
         self.save()
         log.info("started %s unit %s for %s (%d GPU(s) per cell)", kind, name, user, gpus)
         return self.unit_view(record, st.state, st.main_pid)
+
+    @staticmethod
+    def _check_same_unit(running: UnitRecord, kind: str, user: str, gpus: int, key: str) -> None:
+        """A start of a running unit is answered with it only if it asks for that very unit: another
+        user (or another key) naming it must not get its connection, or think it started its own."""
+        if (running.kind, running.user, running.gpus) != (kind, user, gpus) or (
+                running.key_sha256 and not hmac.compare_digest(running.key_sha256, sha256(key))):
+            raise UnitConflict(f"unit {running.name} runs already, started for another user or with other settings")
 
     async def stop_unit(self, name: str) -> bool:
         known = name in self.units

@@ -31,6 +31,10 @@ class UnitError(RuntimeError):
     """Starting/stopping a unit failed; the message is for the API client."""
 
 
+class UnitConflict(UnitError):
+    """A start names a unit that runs already for another user or with other settings (409)."""
+
+
 @dataclass
 class UnitSpec:
     name: str

@@ -231,8 +231,10 @@ class DevCluster:
 
     def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
                  node_timeout_s: float = 10, replica_dead_grace_s: float = 10,
-                 scheduler_settings: dict | None = None, agent_settings: dict | None = None) -> None:
+                 scheduler_settings: dict | None = None, agent_settings: dict | None = None,
+                 other_users: dict[str, str] | None = None) -> None:
         self.tmp = Path(tmp)
+        self.other_users = other_users or {}  # more static user tokens: token -> user name
         self.scheduler_settings = scheduler_settings  # more keys of scheduler.toml (quotas, …)
         # more keys of every agent.toml: {"gpus": {"backend": "nvml"}} serves the machine's real GPUs
         self.agent_settings = agent_settings or {}
@@ -246,7 +248,8 @@ class DevCluster:
         self.agents: list[AgentProcess] = []
 
     def start(self, timeout_s: float = 30) -> DevCluster:
-        self.scheduler = SchedulerProcess(self.tmp, self.agent_token, {self.user_token: current_user()},
+        self.scheduler = SchedulerProcess(self.tmp, self.agent_token,
+                                          {self.user_token: current_user(), **self.other_users},
                                           self.node_timeout_s, self.replica_dead_grace_s,
                                           self.scheduler_settings).start()
         for i in range(self.nodes):

@@ -26,6 +26,7 @@ from traitlets.config import Application, Configurable
 from traitlets.config.loader import KVArgParseConfigLoader
 
 from gpuhub.platform.config import ConfigError, load_config_file, make_settings, read_secret
+from gpuhub.platform.http_server import LogLimiter, server_limits
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -46,14 +47,18 @@ def access_log(logger: logging.Logger, quiet_paths: tuple[str, ...] = ()):
     """A tornado ``log_function``: one line per request, method, path (no query), status and time.
 
     Never headers or bodies (tokens, kernel keys). ``quiet_paths`` answered 200 (metrics scrapes,
-    heartbeats) go to DEBUG so they do not drown the log.
+    heartbeats) go to DEBUG so they do not drown the log; refused requests are rate-limited per status
+    (a flood of bad tokens is a few lines, not one each).
     """
+    limiter = LogLimiter()
 
     def log_request(handler: RequestHandler) -> None:
         status = handler.get_status()
         level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
         if status == 200 and handler.request.path in quiet_paths:
             level = logging.DEBUG
+        if status >= 400 and not limiter.allow(f"answered {status}", logger, level):
+            return
         logger.log(level, "%d %s %s %.1fms", status, handler.request.method, handler.request.path,
                    1000 * handler.request.request_time())
 
@@ -199,7 +204,8 @@ class Daemon(Application):
         web_app = self.make_web_app()
         web_app.settings["log_function"] = access_log(logging.getLogger(f"{self.log.name}.access"),
                                                       self.quiet_paths)
-        server = HTTPServer(web_app, xheaders=False)
+        web_app.settings["gpuhub_max_body_bytes"] = self.settings.max_body_bytes
+        server = HTTPServer(web_app, xheaders=False, **server_limits(self.settings))
         server.listen(self.settings.port, address=self.settings.listen_address)
         self.log.info("%s", self.listening_message())
         tasks = [asyncio.create_task(c) for c in self.background()]

@@ -1,13 +1,24 @@
-"""The server side of the daemons' HTTP APIs (tornado): bearer tokens, JSON in and out, clear 400s."""
+"""The server side of the daemons' HTTP APIs (tornado): bearer tokens, JSON in and out, clear 400s.
+
+An unauthenticated request must cost a daemon no more than its headers: every handler streams its
+body (``stream_request_body``), checks the caller in ``prepare`` (before a byte of the body is read)
+and refuses a body over ``max_body_bytes`` by its Content-Length, or by closing the connection once
+a chunked one passes it. The server side limits (header size, header and body timeouts) are in
+:func:`server_limits`; the daemons' settings carry them (:class:`HttpLimits`).
+"""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
-from typing import Any, TypeVar
+import time
+from typing import Any, ClassVar, TypeVar
 
-from tornado.web import HTTPError, RequestHandler
+from tornado.web import HTTPError, RequestHandler, stream_request_body
+from traitlets import Float, Int
+from traitlets.config import Configurable
 
 from gpuhub.platform.schema import Body, BodyError, parse
 
@@ -36,20 +47,129 @@ def tokens_equal(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
+MAX_BODY_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 10
+
+
+class HttpLimits(Configurable):
+    """What one request may cost a daemon; a base of the daemons' settings (keys of their TOML files)."""
+
+    max_body_bytes = Int(MAX_BODY_BYTES, min=1024, max=64 << 20, config=True,
+                         help="Largest request body the API reads; a larger one gets 413 before it is read.")
+    header_timeout_s = Float(10.0, min=0.1, config=True,
+                             help="A connection that has not sent a whole request head this long is closed "
+                                  "(also an idle keep-alive connection).")
+    body_timeout_s = Float(30.0, min=0.1, config=True,
+                           help="A request whose body has not arrived whole this long is dropped.")
+
+
+def server_limits(limits: HttpLimits) -> dict[str, Any]:
+    """Keyword arguments of tornado's HTTPServer for ``limits``."""
+    return {"max_body_size": limits.max_body_bytes, "max_header_size": MAX_HEADER_BYTES,
+            "idle_connection_timeout": limits.header_timeout_s, "body_timeout": limits.body_timeout_s}
+
+
+class LogLimiter:
+    """At most ``burst`` lines per ``window_s`` for each key (a status, a reason); the lines held back
+    are counted and said in one line when the next window opens. A flood of bad requests must not
+    fill the journal (and the disk) of a daemon."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        self.burst, self.window_s = burst, window_s
+        self._windows: dict[Any, list] = {}  # key -> [window start, lines logged, lines held back]
+
+    def allow(self, key: Any, logger: logging.Logger, level: int) -> bool:
+        now = time.monotonic()
+        w = self._windows.get(key)
+        if w is None or now - w[0] >= self.window_s:
+            if w is not None and w[2]:
+                logger.log(level, "%d more such line(s) (%s) held back in %.0f s", w[2], key, now - w[0])
+            if len(self._windows) > 1000:  # keys come from a small set; never let them grow without end
+                self._windows.clear()
+            w = self._windows[key] = [now, 0, 0]
+        if w[1] < self.burst:
+            w[1] += 1
+            return True
+        w[2] += 1
+        return False
+
+
+_error_log_limiter = LogLimiter()
+# An unauthenticated body up to this size is read (and dropped) before the 401; a larger one is not read.
+DISCARD_BYTES = 64 << 10
+
+
+def _refused_first(method):
+    """``method``, preceded by the refusal ``prepare`` kept while a small body was being discarded."""
+
+    @functools.wraps(method)
+    async def checked(self, *args: Any, **kwargs: Any) -> None:
+        if self._refusal is not None:
+            raise self._refusal
+        result = method(self, *args, **kwargs)
+        if result is not None:
+            await result
+
+    return checked
+
+
+@stream_request_body
 class JsonHandler(RequestHandler):
-    """Base handler: JSON bodies, JSON errors, and no token or body ever written to logs."""
+    """Base handler: callers checked before the body is read, bounded JSON bodies, JSON errors, and
+    no token or body ever written to logs.
+
+    A subclass says who may call it in ``callers`` and implements :meth:`authenticate`."""
+
+    #: Who may call this handler's methods, as :meth:`authenticate` understands them.
+    callers: ClassVar[tuple[str, ...]] = ()
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
 
+    async def authenticate(self) -> None:
+        """Raise ApiError(401) unless the request's token belongs to one of ``callers``; may keep
+        who the caller is on the handler. Runs before the body is read."""
+        raise ApiError(401, "missing or invalid token")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for verb in ("get", "post", "put", "delete", "patch"):
+            if verb in cls.__dict__:
+                setattr(cls, verb, _refused_first(cls.__dict__[verb]))
+
+    async def prepare(self) -> None:
+        self._body = bytearray()
+        self._refusal: ApiError | None = None
+        length = self.request.headers.get("Content-Length")
+        try:
+            await self.authenticate()
+        except ApiError as exc:
+            if not (length and length.isdigit() and 0 < int(length) <= DISCARD_BYTES):
+                raise  # answered now; tornado closes the connection instead of reading the body
+            # A small body is read and thrown away first: answered mid-body, the client could see its
+            # connection reset before the answer, and a keep-alive connection would be lost.
+            self._refusal = exc
+            return
+        limit = self.settings.get("gpuhub_max_body_bytes", MAX_BODY_BYTES)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise ApiError(413, f"request body over {limit} bytes")
+        # A chunked body has no length up front: tornado drops the connection once it passes the limit.
+        self.request.connection.set_max_body_size(limit)
+
+    def data_received(self, chunk: bytes) -> None:
+        if self._refusal is None:
+            self._body += chunk
+
     def json_body(self) -> dict[str, Any]:
-        if not self.request.body:
+        if not self._body:
             return {}
         try:
-            body = json.loads(self.request.body)
+            body = json.loads(self._body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # "[[[[…": deeper than the parser goes
+            raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
@@ -74,6 +194,8 @@ class JsonHandler(RequestHandler):
 
     def log_exception(self, typ, value, tb) -> None:
         if isinstance(value, ApiError):
-            log.info("%s %s -> %d: %s", self.request.method, self.request.path, value.status_code, value.message)
+            if value.status_code != 401 and _error_log_limiter.allow(value.status_code, log, logging.INFO):
+                log.info("%s %s -> %d: %s", self.request.method, self.request.path, value.status_code,
+                         value.message)
         else:
             super().log_exception(typ, value, tb)

@@ -28,31 +28,48 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHandler(JsonHandler):
+    """``callers``: "admin" (the scheduler token: agents, admins, Prometheus) and/or "user" (a
+    JupyterHub token, whose user is ``self.user``)."""
+
+    callers = ("admin",)
+    #: A user's token must carry the hub's kernel scope (gpuhub/scheduler/auth.py) here.
+    needs_kernel_scope = False
+
     def initialize(self, scheduler: Scheduler, token: str, users: HubUserResolver) -> None:
         self.scheduler = scheduler
         self.token = token
         self.users = users
+        self.admin = False
+        self.user: str | None = None
+
+    async def authenticate(self) -> None:
+        token = bearer_token(self)
+        self.admin = "admin" in self.callers and tokens_equal(token, self.token)
+        if not self.admin and "user" in self.callers and token:
+            try:
+                hub_user = await self.users.user_for(token)
+            except ApiClientError as exc:
+                raise ApiError(503, f"cannot check the token with JupyterHub: {exc.message}") from None
+            if hub_user is not None and self.needs_kernel_scope and not hub_user.may_run_kernels:
+                raise ApiError(403, f"this token of {hub_user.name} lacks the JupyterHub scope "
+                                    f"{self.users.kernel_scope}: only the tokens of the user's own servers "
+                                    "may start and stop kernels")
+            self.user = hub_user.name if hub_user else None
+        if not self.admin and self.user is None:
+            raise ApiError(401, "missing or invalid token")
 
     def is_admin(self) -> bool:
-        return tokens_equal(bearer_token(self), self.token)
+        return self.admin
 
-    def require_admin(self) -> None:
-        if not self.is_admin():
-            raise ApiError(401, "missing or invalid token")
-
-    async def require_user(self) -> str:
-        try:
-            user = await self.users.user_for(bearer_token(self))
-        except ApiClientError as exc:
-            raise ApiError(503, f"cannot check the token with JupyterHub: {exc.message}") from None
-        if user is None:
-            raise ApiError(401, "missing or invalid token")
-        return user
+    def require_user(self) -> str:
+        """The caller's user name; 401 for the admin token, which is no user's."""
+        if self.user is None:
+            raise ApiError(401, "missing or invalid token: this needs a user's token")
+        return self.user
 
 
 class HeartbeatHandler(SchedulerHandler):
     def post(self) -> None:
-        self.require_admin()
         try:
             answer = self.scheduler.heartbeat(self.json_body())
         except ValueError as exc:
@@ -62,7 +79,6 @@ class HeartbeatHandler(SchedulerHandler):
 
 class NodesHandler(SchedulerHandler):
     def get(self) -> None:
-        self.require_admin()
         self.write_json({"nodes": self.scheduler.nodes_view(), "scheduler": {"version": gpuhub.__version__,
                                                                       "release": releases.release_name()}})
 
@@ -75,7 +91,6 @@ class DrainRequest(Body):
 
 class NodeDrainHandler(SchedulerHandler):
     def put(self, node: str) -> None:
-        self.require_admin()
         body = self.parse_body(DrainRequest)
         try:
             rec = self.scheduler.set_drained(node, body.drained)
@@ -106,16 +121,19 @@ class KernelRequest(Body):
 
 
 class KernelsHandler(SchedulerHandler):
+    callers = ("admin", "user")
+    needs_kernel_scope = True
+
     async def get(self) -> None:
         if self.is_admin():
             kernels = list(self.scheduler.kernels.values())
         else:
-            user = await self.require_user()
+            user = self.require_user()
             kernels = [k for k in self.scheduler.kernels.values() if k.user == user]
         self.write_json({"kernels": [k.view() for k in kernels]})
 
     async def post(self) -> None:
-        user = await self.require_user()
+        user = self.require_user()
         body = self.parse_body(KernelRequest)
         try:
             record = await self.scheduler.create_kernel(
@@ -138,10 +156,13 @@ class KernelsHandler(SchedulerHandler):
 
 
 class KernelHandler(SchedulerHandler):
+    callers = ("admin", "user")
+    needs_kernel_scope = True
+
     async def owned(self, kernel_id: str):
         record = self.scheduler.kernels.get(kernel_id)
         if not self.is_admin():
-            user = await self.require_user()
+            user = self.require_user()
             if record is not None and record.user != user:
                 raise ApiError(404, f"no kernel {kernel_id}")
         if record is None:
@@ -168,7 +189,6 @@ class KernelMigrateHandler(SchedulerHandler):
     async def post(self, kernel_id: str) -> None:
         """A cell of the kernel waits for a GPU that none of its servers can grant: move a replica
         (202 and the target), or 409 and why not (the cell keeps waiting)."""
-        self.require_admin()
         body = self.parse_body(MigrateRequest)
         try:
             answer = await self.scheduler.migrate(kernel_id, body.node)
@@ -182,18 +202,22 @@ class KernelMigrateHandler(SchedulerHandler):
 
 
 class QuotasHandler(SchedulerHandler):
+    callers = ("admin", "user")
+
     async def get(self) -> None:
         """Admins: every user's GPU-hours this week and limits; a user (their JupyterHub token): their own."""
         if self.is_admin():
             self.write_json({"users": self.scheduler.quota_statuses()})
             return
-        user = await self.require_user()
+        user = self.require_user()
         self.write_json({"users": [self.scheduler.quota_status(user)]})
 
 
 class QuotaHandler(SchedulerHandler):
+    callers = ("admin", "user")
+
     async def get(self, user: str) -> None:
-        if not self.is_admin() and await self.require_user() != user:
+        if not self.is_admin() and self.require_user() != user:
             raise ApiError(403, "a user may see their own quota only")
         self.write_json(self.scheduler.quota_status(user))
 
@@ -217,14 +241,12 @@ class ExtraHoursRequest(Body):
 
 class QuotaExtraHandler(SchedulerHandler):
     def post(self, user: str) -> None:
-        self.require_admin()
         body = self.parse_body(ExtraHoursRequest)
         self.write_json(self.scheduler.grant_extra_hours(user, body.gpu_hours))
 
 
 class MetricsHandler(SchedulerHandler):
     def get(self) -> None:
-        self.require_admin()
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(generate_latest(scheduler_registry(self.scheduler)))
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from traitlets import Bool, Dict, Float, Int, TraitError, Unicode, validate
-from traitlets.config import Configurable
+
+from gpuhub.platform.http_server import HttpLimits
 
 
-class SchedulerConfig(Configurable):
+class SchedulerConfig(HttpLimits):
     """The scheduler's settings; in the TOML file as top-level keys."""
 
     listen_address = Unicode("127.0.0.1", config=True, help="Address the scheduler's HTTP API listens on.")
@@ -17,11 +18,18 @@ class SchedulerConfig(Configurable):
                                help="File with the token the scheduler presents to the agents (mode 0600).")
     hub_api_url = Unicode("http://127.0.0.1:8081/hub/api", config=True,
                           help="JupyterHub's API, which tells whose a user token is.")
+    hub_kernel_scope = Unicode("custom:gpuhub:kernels", config=True,
+                               help="JupyterHub scope a user's token must carry to start, see and stop kernels "
+                                    "(the hub gives it to the tokens of the user's own servers); '': any token "
+                                    "of the user.")
     state_dir = Unicode("/var/lib/gpuhub/scheduler", config=True, help="Directory of the scheduler's books.")
     max_subscription_ratio = Float(7.0, config=True,
                                    help="Admission limit: a node takes a replica only while its subscription ratio "
                                         "after placing stays at or under this (gpuhub/scheduler/placement.py).")
     node_timeout_s = Float(30.0, config=True, help="A node with no heartbeat this long is counted lost.")
+    node_forget_after_s = Float(86400.0, min=0.0, config=True,
+                                help="A lost node with no replica is dropped from the books after this long "
+                                     "without a heartbeat (it comes back with its next one).")
     replica_dead_grace_s = Float(10.0, min=0.0, config=True,
                                  help="A replica whose unit has been dead this long on a live node is replaced.")
     migration_interval_s = Float(10.0, min=0.0, config=True,

@@ -64,7 +64,8 @@ class SchedulerDaemon(Daemon):
         self.scheduler.load()
 
     def make_web_app(self):
-        users = HubUserResolver(self.settings.hub_api_url, self.settings.static_user_tokens)
+        users = HubUserResolver(self.settings.hub_api_url, self.settings.static_user_tokens,
+                                kernel_scope=self.settings.hub_kernel_scope)
         return make_app(self.scheduler, self.secrets["scheduler"], users)
 
     def listening_message(self) -> str:

@@ -18,6 +18,7 @@ from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.metrics import kernel_start_histogram, migration_histogram
 from gpuhub.scheduler.migration import Move, NoMigrationTarget, choose_target, plan_move
+from gpuhub.scheduler.node_info import parse_counts, parse_node_info
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.scheduler.pool_loop import ElasticPool
 from gpuhub.scheduler.quotas import LiveLease, QuotaPolicy, Quotas, UsageLedger
@@ -41,14 +42,21 @@ def replica_unit(kernel_id: str, replica_id: int) -> str:
 class NodeRecord:
     name: str
     url: str
-    info: dict
-    last_seen: float
+    info: dict  # the last heartbeat, as gpuhub/scheduler/node_info.py parsed it
+    last_seen: float  # wall-clock time of the last heartbeat, for people (gpuhub nodes)
     # Set by an admin (gpuhub node drain): no new replica goes here, and the replicas here move away.
     drained: bool = False
     # The elastic pool's state of it (gpuhub/scheduler/pool_loop.py): "" (in service), "draining"
     # (to be lent: no new replica, its replicas move away), "lent", "acquiring"; and since when.
     pool: str = ""
     pool_since: float = 0.0
+    # time.monotonic() of the last heartbeat: liveness must not move with the wall clock (a clock
+    # step of a minute would count every server lost). From books: as long ago as last_seen says.
+    seen: float | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.seen is None:
+            self.seen = time.monotonic() - max(0.0, time.time() - self.last_seen)
 
 
 @dataclass
@@ -123,7 +131,9 @@ class Scheduler:
         self._last_migration: dict[str, float] = {}  # kernel -> when its last migration began (monotonic)
         self._tasks: set[asyncio.Task] = set()  # migrations under way
         self._placing: dict[str, list[str]] = {}  # kernel being created -> the servers chosen for it
-        self.started = time.time()
+        # kernel being created -> (its user, its creation): the id is taken from the first request on
+        self._creating: dict[str, tuple[str, asyncio.Future]] = {}
+        self.started = time.monotonic()
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
@@ -153,7 +163,12 @@ class Scheduler:
         if data is None:
             return
         for name, n in data.get("nodes", {}).items():
-            self.nodes[name] = NodeRecord(name, n["url"], n["info"], n["last_seen"], bool(n.get("drained", False)),
+            try:  # books written before heartbeats were checked may hold one that breaks every view
+                info = parse_node_info({**n["info"], "node": name, "url": n["url"]})
+            except ValueError as exc:
+                log.error("books: node %s dropped (%s); it is back with its next heartbeat", name, exc)
+                continue
+            self.nodes[name] = NodeRecord(name, n["url"], info, n["last_seen"], bool(n.get("drained", False)),
                                           str(n.get("pool", "")), float(n.get("pool_since", 0.0)))
         for kid, k in data.get("kernels", {}).items():
             reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
@@ -170,19 +185,19 @@ class Scheduler:
     def heartbeat(self, info: dict) -> dict:
         """A server's heartbeat: its state, and the GPU-seconds its ended leases held. Answers with
         the usage batch it now has and the quotas of the users with kernels there."""
-        name, url = info.get("node"), info.get("url")
-        if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
-            raise ValueError("a heartbeat needs 'node' and 'url'")
-        info = dict(info)
-        usage = info.pop("usage", None)
+        if not isinstance(info, dict):
+            raise ValueError("a heartbeat is a JSON object")
+        usage = info.get("usage")
+        info = parse_node_info(info)  # ValueError: nothing of it is kept
+        name, url = info["node"], info["url"]
         answer: dict = {"ok": True}
         known = self.nodes.get(name)
         fresh = known is None
         now = time.time()
         if known is None:
-            self.nodes[name] = NodeRecord(name, url, info, now)
+            self.nodes[name] = NodeRecord(name, url, info, now, seen=time.monotonic())
         else:
-            known.url, known.info, known.last_seen = url, info, now
+            known.url, known.info, known.last_seen, known.seen = url, info, now, time.monotonic()
         if usage is not None:
             try:
                 answer["usage_ack"] = self.quotas.ledger.apply(name, usage)
@@ -263,7 +278,7 @@ class Scheduler:
         return {n for nodes in self._placing.values() for n in nodes} | {t for t in self._moves.values() if t}
 
     def live(self, rec: NodeRecord) -> bool:
-        return time.time() - rec.last_seen <= self.config.node_timeout_s
+        return time.monotonic() - rec.seen <= self.config.node_timeout_s
 
     def node_views(self) -> list[NodeView]:
         return [self.node_view(r) for r in self.nodes.values()]
@@ -288,7 +303,9 @@ class Scheduler:
         except ApiClientError as exc:
             log.debug("server %s did not answer: %s", name, exc)
             return None
-        node.info.update({k: info[k] for k in ("gpu_count", "pending", "committed") if k in info})
+        if not isinstance(info, dict):
+            return None
+        node.info.update(parse_counts(info))
         return info
 
     def nodes_view(self) -> list[dict]:
@@ -330,6 +347,30 @@ class Scheduler:
             if existing.user != user:
                 raise PermissionError("that kernel belongs to another user")
             return existing
+        if kernel_id in self._creating:  # taken by a request still placing it
+            owner, creation = self._creating[kernel_id]
+            if owner != user:
+                raise PermissionError("that kernel belongs to another user")
+            return await asyncio.shield(creation)  # the same request again (a retry): its answer
+        creation = asyncio.get_running_loop().create_future()
+        self._creating[kernel_id] = (user, creation)
+        try:
+            record = await self._create_kernel(user, kernel_id, key, gpus, replicas, cwd)
+        except asyncio.CancelledError:
+            creation.cancel()
+            raise
+        except Exception as exc:
+            creation.set_exception(exc)
+            creation.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+            raise
+        else:
+            creation.set_result(record)
+            return record
+        finally:
+            del self._creating[kernel_id]
+
+    async def _create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int,
+                             cwd: str) -> KernelRecord:
         started = time.monotonic()
         try:
             # With the elastic pool, consolidate: the servers that stay busy take the replicas.
@@ -438,7 +479,7 @@ class Scheduler:
         their group and catches up from a snapshot plus the log. Without a majority nothing is
         replaced: the group could not commit the membership change.
         """
-        if time.time() - self.started < self.config.node_timeout_s:
+        if time.monotonic() - self.started < self.config.node_timeout_s:
             return  # after a restart every node gets one heartbeat period before it counts as lost
         now = time.time()
         for record in list(self.kernels.values()):
@@ -690,7 +731,7 @@ class Scheduler:
             seen[node.name] = set(units)
             for name, u in units.items():
                 kid = u.get("kernel_id") or ""
-                if not kid:
+                if not kid or kid in self._creating:  # a kernel being created is in the books once it started
                     continue
                 rec = self.kernels.get(kid)
                 if rec is None:
@@ -729,4 +770,18 @@ class Scheduler:
                     # the next round would adopt the kernel again, and its journals would stay.
                     if r.unit in seen.get(r.node, ()):
                         await self._stop_replica(r)
+        self.forget_gone_nodes()
         self.save()
+
+    def forget_gone_nodes(self) -> None:
+        """Drop servers silent for ``node_forget_after_s`` that hold no replica: a renamed or retired
+        server (or a heartbeat from no real server) must not stay in the books and views for ever.
+        A server the elastic pool lent is kept: the pool takes it back by its name."""
+        placed = {r.node for k in self.kernels.values() for r in k.replicas} | self.busy_targets()
+        now = time.monotonic()
+        for name, rec in list(self.nodes.items()):
+            if name in placed or rec.pool in ("lent", "acquiring"):
+                continue
+            if now - rec.seen > self.config.node_forget_after_s:
+                del self.nodes[name]
+                log.info("node %s forgotten: no heartbeat for %.0f s and no replica there", name, now - rec.seen)

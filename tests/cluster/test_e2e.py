@@ -326,6 +326,25 @@ def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
         bob.stop_server()
 
 
+def test_only_a_token_with_the_kernel_scope_may_run_kernels(cluster, alice, alice_kernel):
+    """The kernel started through alice's server (its token carries custom:gpuhub:kernels); a token
+    of hers with only what visiting someone's server gives (her name, access to a server) names her
+    but may not start, list or stop kernels: starting one would run code as her."""
+    r = alice.s.post(
+        f"{alice.base}/hub/api/users/alice/tokens",
+        json={"note": "no kernel scope", "expires_in": 600, "scopes": ["read:users:name!user", "access:servers!user"]},
+        headers={"Authorization": f"token {alice.token}"}, timeout=30)
+    assert r.status_code in (200, 201), r.text[:500]
+    narrow = r.json()["token"]
+    scheduler = f"http://{cluster.hub}:8600/api/v1/kernels"
+    for token, expected in ((narrow, 403), (alice.token, 200)):  # her full token inherits the scope
+        got = requests.get(scheduler, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert got.status_code == expected, (got.status_code, got.text[:300])
+    refused = requests.post(scheduler, headers={"Authorization": f"Bearer {narrow}"}, timeout=30,
+                            json={"kernel_id": "stolen1", "key": "k", "gpus": 1})
+    assert refused.status_code == 403 and "custom:gpuhub:kernels" in refused.json()["error"]
+
+
 def test_admin_sees_the_kernel_and_every_servers_version(cluster, alice_kernel):
     """`gpuhub kernels` and `gpuhub version` as root on the hub, as an admin runs them after the install."""
     kid, _ = alice_kernel

@@ -182,3 +182,23 @@ def test_a_dead_unit_shows_the_end_of_its_log_without_its_secrets(make_agent):
     start_unit(a, gpus=0)
     assert a.call("GET", "/api/v1/units/gpuhub-kernel-t1")[1]["error"] is None
     assert all("error" not in u for u in a.call("GET", "/api/v1/units")[1]["units"])
+
+
+def unit_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
+def test_only_a_grant_shows_a_gpu_to_cuda(make_agent):
+    """A CPU kernel and a user's server see no GPU through CUDA (CUDA_VISIBLE_DEVICES empty, whatever
+    the request's env says); a GPU kernel's replica leaves it to each cell's grant."""
+    a = make_agent(gpus=1)
+    _, cpu = start_unit(a, "gpuhub-kernel-cpu1", gpus=0)
+    _, gpu = start_unit(a, "gpuhub-kernel-gpu1", gpus=1)
+    status, server = a.call("POST", "/api/v1/units", {
+        "name": "gpuhub-server-env1", "kind": "server", "user": current_user(),
+        "argv": [sys.executable, "-c", "import time; time.sleep(600)"], "env": {"CUDA_VISIBLE_DEVICES": "0"}})
+    assert status == 201, server
+    assert unit_environ(cpu["main_pid"])["CUDA_VISIBLE_DEVICES"] == ""
+    assert unit_environ(server["main_pid"])["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in unit_environ(gpu["main_pid"])

@@ -171,7 +171,7 @@ async def test_a_hanging_acquire_is_killed_and_the_server_rests_while_another_is
 async def test_an_acquired_server_that_never_heartbeats_goes_back_to_lent(tmp_path, hook):
     s = pool_scheduler(tmp_path, hook, pool_acquire_timeout_s=0.2)
     s.nodes["d"].pool, s.nodes["d"].pool_since = "acquiring", time.time() - 1
-    s.nodes["d"].last_seen = time.time() - 60
+    s.nodes["d"].last_seen, s.nodes["d"].seen = time.time() - 60, time.monotonic() - 60
     await s.pool.step()
     assert states(s)["d"] == "lent"
     assert metric(s, "gpuhub_pool_hook_runs_total", hook="acquire", outcome="timeout") == 1

@@ -251,5 +251,5 @@ def test_draining_a_server_that_would_leave_a_kernel_nowhere_to_move_is_refused(
     else:
         raise AssertionError("a drain with nowhere to go was accepted")
     assert not s.nodes["a"].drained
-    s.nodes["d"].last_seen = time.time()  # a fourth server is back
+    s.nodes["d"].seen = time.monotonic()  # a fourth server is back
     assert s.set_drained("a", True).drained

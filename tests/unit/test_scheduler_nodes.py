@@ -1,0 +1,107 @@
+"""The scheduler's books of servers: what a heartbeat may say, liveness on a monotonic clock, and
+servers gone for good forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+
+from gpuhub.platform.http_server import LogLimiter
+from gpuhub.scheduler.config import SchedulerConfig
+from gpuhub.scheduler.node_info import parse_node_info
+from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
+from tests.unit.test_scheduler_heal import stub_agents
+
+
+def beat(node: str = "gpu1", **fields) -> dict:
+    return {"node": node, "url": f"http://{node}.invalid:8601", "gpu_count": 2, **fields}
+
+
+def test_a_heartbeat_keeps_only_the_fields_it_knows_and_checks_each():
+    info = parse_node_info(beat(extra="ignored", leases=[{"lease_id": "a1", "holder": "gpuhub-kernel-k-r0",
+                                                            "gpus": [0], "granted_at": 1.5, "holder_pid": None,
+                                                            "expires_at": None, "user": "u", "kernel_id": "k"}]))
+    assert "extra" not in info and info["gpu_count"] == 2 and info["leases"][0]["gpus"] == [0]
+    for bad, field in ((beat(gpu_count="x"), "gpu_count"), (beat(gpu_count=True), "gpu_count"),
+                       (beat(pending=-1), "pending"), (beat(gpus="all"), "gpus"),
+                       (beat(leases=[{"holder": "h"}]), "lease_id"), (beat(url="ftp://x"), "url"),
+                       (beat(node="a b"), "node"), (beat(units=10**9), "units")):
+        with pytest.raises(ValueError, match=field):
+            parse_node_info(bad)
+
+
+def test_liveness_does_not_move_with_the_wall_clock(tmp_path, monkeypatch):
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=30), agent_token="t")
+    s.heartbeat(beat())
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 45)  # NTP steps the clock forward
+    assert s.nodes_view()[0]["live"]
+    monkeypatch.setattr(time, "time", lambda: wall() - 3600)  # or back
+    assert s.nodes_view()[0]["live"]
+
+
+def test_books_from_before_the_heartbeat_check_lose_only_the_poisoned_server(tmp_path, caplog):
+    books = {"nodes": {"good": {"url": "http://good.invalid:1", "info": {"gpu_count": 2}, "last_seen": time.time()},
+                       "evil": {"url": "http://evil.invalid:1", "info": {"gpu_count": "x"}, "last_seen": time.time()}},
+             "kernels": {}}
+    (tmp_path / "books.json").write_text(json.dumps(books))
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
+    with caplog.at_level(logging.ERROR):
+        s.load()
+    assert list(s.nodes) == ["good"] and s.nodes["good"].info["gpu_count"] == 2
+    assert "node evil dropped" in caplog.text and "gpu_count" in caplog.text
+    assert [v.name for v in s.node_views()] == ["good"]  # and the views work
+
+
+def test_a_server_silent_for_long_is_forgotten_unless_something_is_there(tmp_path):
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_forget_after_s=600), agent_token="t")
+    for name in ("gone", "holds", "lent", "recent"):
+        s.heartbeat(beat(name))
+    for name in ("gone", "holds", "lent"):
+        s.nodes[name].seen -= 700
+    s.nodes["lent"].pool = "lent"  # the elastic pool takes it back by its name
+    s.kernels["k1"] = KernelRecord("k1", "alice", 1, [ReplicaRecord("holds", "gpuhub-kernel-k1-r0")])
+    s.forget_gone_nodes()
+    assert sorted(s.nodes) == ["holds", "lent", "recent"]
+    s.heartbeat(beat("gone"))  # it comes back with its next heartbeat
+    assert "gone" in s.nodes
+
+
+def test_the_log_limiter_holds_back_a_flood_and_says_how_much(monkeypatch, caplog):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    limiter, log = LogLimiter(burst=3, window_s=10), logging.getLogger("test.limiter")
+    assert [limiter.allow(401, log, logging.WARNING) for _ in range(5)] == [True] * 3 + [False] * 2
+    assert limiter.allow(400, log, logging.WARNING)  # each key has its own budget
+    clock[0] += 10
+    with caplog.at_level(logging.WARNING):
+        assert limiter.allow(401, log, logging.WARNING)
+    assert "2 more such line(s) (401) held back" in caplog.text
+
+
+async def test_a_kernel_id_is_taken_from_the_first_request_on(tmp_path, monkeypatch):
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
+    for name in ("a", "b", "c"):
+        s.heartbeat(beat(name))
+    hold, placing = asyncio.Event(), asyncio.Event()
+
+    async def held(node):
+        placing.set()
+        await hold.wait()
+
+    started, _ = stub_agents(s, monkeypatch, before_start=held)
+    alice = asyncio.create_task(s.create_kernel("alice", "k1", "key", 1, 3, ""))
+    await placing.wait()  # Alice's placement is under way, nothing in the books yet
+    assert "k1" not in s.kernels
+    with pytest.raises(PermissionError, match="another user"):
+        # (without the reservation Bob's request would start placing too: it would wait on the hold)
+        await asyncio.wait_for(s.create_kernel("bob", "k1", "bobs-key", 1, 3, ""), timeout=30)
+    retry = asyncio.create_task(s.create_kernel("alice", "k1", "key", 1, 3, ""))  # her client tries again
+    hold.set()
+    first, again = await asyncio.gather(alice, retry)
+    assert first is again and first.user == "alice" and len(started) == 3  # placed once
+    assert s.kernels["k1"].key == "key"
