@@ -17,6 +17,7 @@ from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.http_server import (
     ApiError,
     JsonHandler,
+    api_settings,
     bearer_token,
     tokens_equal,
 )
@@ -133,6 +134,15 @@ class UnitHandler(AgentHandler):
     async def delete(self, name: str) -> None:
         known = await self.agent.stop_unit(name)
         self.write_json({"stopped": name, "was_known": known})
+
+
+class UnitKeyHandler(AgentHandler):
+    def get(self, name: str) -> None:
+        """A kernel unit's connection key: the scheduler rebuilds its books from the agents."""
+        key = self.agent.kernel_key(name)
+        if key is None:
+            raise ApiError(404, f"no kernel unit {name} with a key")
+        self.write_json({"unit": name, "key": key})
 
 
 def is_host_port(addr: str) -> bool:
@@ -316,10 +326,12 @@ def make_app(agent: Agent, token: str, scheduler_token: str | None = None) -> Ap
             (r"/api/v1/units", UnitsHandler, args),
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)", UnitHandler, args),
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/peers", PeersHandler, args),
+            (r"/api/v1/units/([A-Za-z0-9_.@-]+)/key", UnitKeyHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
             (r"/api/v1/migrations", MigrationHandler, args),
             (r"/api/v1/quota", QuotaViewHandler, args),
             (r"/metrics", MetricsHandler, args),
-        ]
+        ],
+        **api_settings(),
     )

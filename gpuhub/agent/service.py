@@ -333,6 +333,18 @@ class Agent:
             text = "…" + text[-(ERROR_CHARS - 1):]
         return text
 
+    def kernel_key(self, name: str) -> str | None:
+        """The connection key of kernel unit ``name`` (from its connection.json), for a scheduler that
+        lost its books: without it a replica of the kernel can never be replaced. None: no such kernel."""
+        unit = self.units.get(name)
+        if unit is None or unit.kind != "kernel":
+            return None
+        try:
+            key = json.loads((self.runner.unit_dir(name) / CONNECTION_FILE).read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return key if isinstance(key, str) and key else None
+
     def _unit_secrets(self, name: str) -> list[str]:
         found = [v for k, v in self.runner.read_env(name).items() if SECRET_NAME.search(k)]
         try:

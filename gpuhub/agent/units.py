@@ -57,6 +57,28 @@ class UnitStatus:
     user: str | None
 
 
+# Every kernel and server unit (docs/security.md): other users' processes and homes out of sight, no
+# setuid files, the system and kernel knobs read-only. Nothing here touches devices (ProtectClock and
+# PrivateDevices would close /dev/nvidia*: device access is the grant's business).
+USER_UNIT_HARDENING = (
+    "ProtectSystem=full",
+    "ProtectHome=tmpfs",
+    "ProtectProc=invisible",
+    "RestrictSUIDSGID=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectControlGroups=yes",
+    "ProtectHostname=yes",
+    "RestrictRealtime=yes",
+    "LockPersonality=yes",
+)
+# uids that are no one's: the kernel's overflow uid (nobody) and (uid_t)-1, -2
+NOBODY_UIDS = frozenset({65534, 4294967294, 4294967295})
+
+
+def under(path: str, parent: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(parent)]) == os.path.abspath(parent)
+
+
 def lookup_user(name: str, min_uid: int) -> pwd.struct_passwd:
     try:
         pw = pwd.getpwnam(name)
@@ -64,6 +86,9 @@ def lookup_user(name: str, min_uid: int) -> pwd.struct_passwd:
         raise UnitError(f"user {name!r} does not exist on this node") from None
     if pw.pw_uid == 0 or pw.pw_uid < min_uid:
         raise UnitError(f"refusing to run as {name!r} (uid {pw.pw_uid} is below min_uid {min_uid})")
+    if pw.pw_uid in NOBODY_UIDS:
+        raise UnitError(f"refusing to run as {name!r} (uid {pw.pw_uid} is nobody's: its files would be "
+                        "every such unit's)")
     return pw
 
 
@@ -158,6 +183,8 @@ class SystemdRunner:
         write_private(env_path, env_text, 0, 0)
         # In a thread: the user's directory may be on a network filesystem that can hang the event loop.
         cwd = spec.cwd if spec.cwd and await asyncio.to_thread(os.path.isdir, spec.cwd) else pw.pw_dir
+        if under(cwd, "/home") and not under(cwd, pw.pw_dir):
+            cwd = pw.pw_dir  # another user's home is out of sight in the unit (ProtectHome below)
         props = [
             f"EnvironmentFile={env_path}",
             "NoNewPrivileges=yes",
@@ -165,6 +192,8 @@ class SystemdRunner:
             "KillMode=control-group",
             "TimeoutStopSec=15",
             f"Description=gpuhub {spec.kind} for {spec.user}",
+            *USER_UNIT_HARDENING,
+            f"BindPaths={pw.pw_dir}",  # the user's own home, back in the empty /home of ProtectHome
         ]
         if spec.kind == "kernel":
             # A crashed replica (OOM kill, a segfault in user code) comes back in place and catches

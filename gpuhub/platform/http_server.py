@@ -145,10 +145,12 @@ class JsonHandler(RequestHandler):
         try:
             await self.authenticate()
         except ApiError as exc:
-            if not (length and length.isdigit() and 0 < int(length) <= DISCARD_BYTES):
+            chunked = "chunked" in self.request.headers.get("Transfer-Encoding", "").lower()
+            if chunked or not (length is None or (length.isdigit() and int(length) <= DISCARD_BYTES)):
                 raise  # answered now; tornado closes the connection instead of reading the body
-            # A small body is read and thrown away first: answered mid-body, the client could see its
-            # connection reset before the answer, and a keep-alive connection would be lost.
+            # Refused after the (small or empty) body is read and thrown away: tornado closes a
+            # connection answered before its request was read whole, so the client could see a reset
+            # instead of the answer and would lose its keep-alive connection.
             self._refusal = exc
             return
         limit = self.settings.get("gpuhub_max_body_bytes", MAX_BODY_BYTES)
@@ -160,6 +162,13 @@ class JsonHandler(RequestHandler):
     def data_received(self, chunk: bytes) -> None:
         if self._refusal is None:
             self._body += chunk
+
+    async def _not_allowed(self, *args: Any) -> None:
+        if self._refusal is not None:  # an unauthenticated caller learns nothing, not even the methods
+            raise self._refusal
+        raise ApiError(405, f"{self.request.method} is not allowed on {self.request.path[:200]}")
+
+    get = post = put = delete = patch = _not_allowed
 
     def json_body(self) -> dict[str, Any]:
         if not self._body:
@@ -199,3 +208,21 @@ class JsonHandler(RequestHandler):
                          value.message)
         else:
             super().log_exception(typ, value, tb)
+
+
+class NotFoundHandler(JsonHandler):
+    """Any path no route matches: a JSON 404 (not tornado's HTML page), decided before the body is
+    read, like a refused token (a small body is dropped first, a large one never read)."""
+
+    async def authenticate(self) -> None:
+        raise ApiError(404, f"no API path {self.request.path[:200]!r}")
+
+    async def get(self, *args: Any) -> None:  # reached only through prepare's refusal (_refused_first)
+        await self.authenticate()
+
+    post = put = delete = patch = get
+
+
+def api_settings() -> dict[str, Any]:
+    """tornado Application settings both daemons' APIs share."""
+    return {"default_handler_class": NotFoundHandler}

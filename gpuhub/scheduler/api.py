@@ -14,6 +14,7 @@ from gpuhub.platform.http_client import ApiClientError
 from gpuhub.platform.http_server import (
     ApiError,
     JsonHandler,
+    api_settings,
     bearer_token,
     tokens_equal,
 )
@@ -264,4 +265,4 @@ def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Applic
         (r"/api/v1/quota/([^/]{1,255})", QuotaHandler, args),
         (r"/api/v1/quota/([^/]{1,255})/extra", QuotaExtraHandler, args),
         (r"/metrics", MetricsHandler, args),
-    ])
+    ], **api_settings())

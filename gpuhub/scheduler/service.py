@@ -751,6 +751,7 @@ class Scheduler:
                                                       state=u.get("state", "unknown")))
                 else:
                     known.note_state(u.get("state", known.state), time.time())
+        await self._recover_keys(seen)
         now = time.time()
         for kid, rec in list(self.kernels.items()):
             kept = []
@@ -772,6 +773,29 @@ class Scheduler:
                         await self._stop_replica(r)
         self.forget_gone_nodes()
         self.save()
+
+    async def _recover_keys(self, seen: dict[str, set[str]]) -> None:
+        """Kernels adopted without their key (books lost or corrupt) get it from an agent that runs
+        one of their replicas: without it no replica of theirs could ever be replaced. After the
+        adoption pass, so every replica of the kernel is adopted before the key marks others as
+        replaced."""
+        for rec in self.kernels.values():
+            if rec.key:
+                continue
+            for rep in rec.replicas:
+                node = self.nodes.get(rep.node)
+                if node is None or rep.unit not in seen.get(rep.node, ()):
+                    continue
+                try:
+                    _, body = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}/key", self.agent_token,
+                                              timeout=5)
+                except ApiClientError as exc:
+                    log.debug("reconcile: no key for %s from %s: %s", rep.unit, rep.node, exc)
+                    continue
+                if isinstance(body, dict) and isinstance(body.get("key"), str) and body["key"]:
+                    rec.key = body["key"]
+                    log.info("reconcile: kernel %s has its key again (from %s)", rec.kernel_id, rep.node)
+                    break
 
     def forget_gone_nodes(self) -> None:
         """Drop servers silent for ``node_forget_after_s`` that hold no replica: a renamed or retired

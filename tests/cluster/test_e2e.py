@@ -296,6 +296,18 @@ def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
         assert owner == "alice" and owner != "root", f"{unit['name']} runs as {owner}"
 
 
+def test_a_cell_sees_neither_other_users_processes_nor_their_homes(cluster, alice_kernel):
+    """The kernel unit's hardening (gpuhub/agent/units.py USER_UNIT_HARDENING): /home holds only the
+    user's own home, other users' processes (root's PID 1 among them) are invisible in /proc, and
+    nothing setuid can be made."""
+    _kid, channel = alice_kernel
+    out = channel.run("import os, json; print(json.dumps([sorted(os.listdir('/home')), os.path.exists('/proc/1'), "
+                      "os.access('/usr/bin', os.W_OK)]))")
+    homes, sees_pid1, writes_usr = json.loads(out["stdout"].strip().splitlines()[-1])
+    assert homes == ["alice"], homes
+    assert not sees_pid1 and not writes_usr
+
+
 def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
     bob = HubUser(cluster, "bob")
     bob.login()

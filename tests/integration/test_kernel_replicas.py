@@ -359,3 +359,25 @@ def test_books_written_before_replica_ids_still_load(tmp_path):
         assert all(r["state"] == "unknown" and r["connection"] == {"ip": "10.0.0.1"} for r in k["replicas"])
     finally:
         sched.stop()
+
+
+async def test_a_scheduler_that_lost_its_books_gets_each_kernels_key_back_from_the_agents(make_agent, tmp_path):
+    """Books lost: reconcile adopts the kernel's replicas, then asks an agent for its key (without it
+    no replica of the kernel could ever be replaced), and adopts nothing as a replaced replica."""
+    a = make_agent("n1", gpus=0)
+    key = secrets.token_hex(16)
+    for i in range(3):
+        status, unit = a.call("POST", "/api/v1/units", {
+            "name": f"gpuhub-kernel-k9-r{i}", "kind": "kernel", "user": current_user(), "gpus": 0,
+            "kernel": {"key": key, "kernel_id": "k9", "replica_id": i}})
+        assert status == 201, unit
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path / "sched")), agent_token=a.token)
+    s.heartbeat({"node": "n1", "url": a.url})
+    await s.reconcile()
+    assert s.kernels["k9"].key == key and len(s.kernels["k9"].replicas) == 3
+    assert json.loads((tmp_path / "sched" / "books.json").read_text())["kernels"]["k9"]["key"] == key
+    await s.reconcile()  # with the key: the adopted replicas are the kernel's, none is stopped as replaced
+    assert len(s.kernels["k9"].replicas) == 3
+    assert len(a.call("GET", "/api/v1/units")[1]["units"]) == 3
+    assert a.call("GET", "/api/v1/units/gpuhub-kernel-k9-r0/key", token="wrong")[0] == 401
+    assert a.call("GET", "/api/v1/units/gpuhub-kernel-nope-r0/key")[0] == 404
