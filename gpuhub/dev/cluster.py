@@ -220,6 +220,20 @@ class SchedulerProcess:
             )
         return self
 
+    def wait_ready(self, timeout_s: float = 30) -> SchedulerProcess:
+        """Return once its API answers (a scheduler that died or never answers raises RuntimeError)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if default_client().request("GET", self.url + "/api/v1/nodes", token=self.token,
+                                            timeout=5).status == 200:
+                    return self
+            except ApiClientError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"scheduler died: {(self.dir / 'scheduler.log').read_text()}") from None
+            time.sleep(0.1)
+        raise RuntimeError("the scheduler did not answer")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

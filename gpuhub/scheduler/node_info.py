@@ -33,17 +33,22 @@ class LeaseInfo(Body):
     kernel_id: str = Field("", max_length=128)
 
 
-class NodeInfo(Body):
+class NodeCounts(Body):
+    """A server's GPU counts, in a heartbeat or in the agent's ``GET /api/v1/node`` answer."""
+
+    gpu_count: int = Field(0, ge=0, le=MAX_GPUS)
+    pending: int = Field(0, ge=0)
+    committed: int = Field(0, ge=0, le=MAX_GPUS)
+
+
+class NodeInfo(NodeCounts):
     """A heartbeat's fields (gpuhub/agent/service.py ``Agent.node_info``), without its usage batch."""
 
     node: str = Field(pattern=NODE_NAME_PATTERN)
     url: str = Field(max_length=2048)
     roles: list[Literal["gpu", "notebook"]] = Field(default_factory=lambda: ["gpu"], max_length=2)
     gpu_backend: str = Field("", max_length=64)
-    gpu_count: int = Field(0, ge=0, le=MAX_GPUS)
     gpus: list[dict] = Field(default_factory=list, max_length=MAX_GPUS)
-    pending: int = Field(0, ge=0)
-    committed: int = Field(0, ge=0, le=MAX_GPUS)
     leases: list[LeaseInfo] = Field(default_factory=list, max_length=MAX_ITEMS)
     units: int = Field(0, ge=0, le=MAX_ITEMS)
     version: str = Field("", max_length=128)
@@ -67,10 +72,8 @@ def parse_node_info(info: object) -> dict:
 
 
 def parse_counts(info: dict) -> dict:
-    """The GPU counts of a ``GET /api/v1/node`` answer that are well formed (the rest is left out)."""
-    out = {}
-    for key, top in (("gpu_count", MAX_GPUS), ("pending", None), ("committed", MAX_GPUS)):
-        v = info.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and (top is None or v <= top):
-            out[key] = v
-    return out
+    """The GPU counts a ``GET /api/v1/node`` answer gives ({} when one of them is malformed)."""
+    try:
+        return parse(NodeCounts, info).model_dump(exclude_unset=True)
+    except BodyError:
+        return {}

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from gpuhub.dev.cluster import SchedulerProcess, current_user
 from gpuhub.platform.http_client import default_client
-from tests.helpers import wait_for
 from tests.integration.test_agent_api import start_unit, unit_environ
 
 EXAMPLES = 1500
@@ -117,9 +116,7 @@ def test_fuzz_the_agent_api(make_agent):
 
 @pytest.fixture
 def scheduler(tmp_path):
-    s = SchedulerProcess(tmp_path, secrets.token_urlsafe(24), {"user-token": current_user()}).start()
-    wait_for(lambda: default_client().request("GET", s.url + "/api/v1/nodes", token=s.token, timeout=5).status == 200,
-             timeout=30, what="the scheduler to answer", ignore=(OSError, Exception))
+    s = SchedulerProcess(tmp_path, secrets.token_urlsafe(24), {"user-token": current_user()}).start().wait_ready()
     yield s
     s.stop()
 

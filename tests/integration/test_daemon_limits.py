@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from gpuhub.dev.cluster import DevCluster, SchedulerProcess, current_user
-from gpuhub.platform.http_client import ApiClientError, default_client
+from gpuhub.platform.http_client import default_client
 from tests.helpers import wait_for
 
 BIG = 99 << 20  # under tornado's default limit (100 MB): before the limits, read whole into memory
@@ -58,9 +58,7 @@ def closed_by_peer(sock: socket.socket) -> bool:
 @pytest.fixture
 def scheduler(tmp_path):
     s = SchedulerProcess(tmp_path, secrets.token_urlsafe(24), {"user-token": current_user()},
-                         settings={"header_timeout_s": 1.0, "body_timeout_s": 1.0}).start()
-    wait_for(lambda: default_client().request("GET", s.url + "/api/v1/nodes", token=s.token, timeout=5),
-             timeout=30, what="the scheduler to answer", ignore=(ApiClientError, OSError))
+                         settings={"header_timeout_s": 1.0, "body_timeout_s": 1.0}).start().wait_ready()
     yield s
     s.stop()
 
