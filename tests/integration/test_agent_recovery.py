@@ -18,6 +18,7 @@ from gpuhub.agent.ports import (
 )
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
+from gpuhub.dev.portblocks import reserve_block
 
 
 def agent(tmp_path) -> Agent:
@@ -47,13 +48,16 @@ async def test_recovery_without_a_state_file(tmp_path):
 
 
 def test_kernel_ports_never_hand_out_a_taken_port():
-    conn = kernel_connection("127.0.0.1", (28100, 28100 + KERNEL_PORT_COUNT - 1), set())
-    ports = ports_taken([conn, None])
-    assert sorted(ports) == list(range(28100, 28100 + KERNEL_PORT_COUNT))
-    assert conn["raft_port"] != conn["blob_port"] and conn["ip"] == "127.0.0.1"
-    with pytest.raises(UnitError, match="no 7 free kernel ports left in 28100-28106"):
-        kernel_connection("127.0.0.1", (28100, 28106), ports)
-    assert free_ports("127.0.0.1", 1, 28100, 28101, {28100}) == [28101]
+    with reserve_block() as block:  # a range no other agent or test on this host hands out now
+        lo = block.first
+        hi = lo + KERNEL_PORT_COUNT - 1
+        conn = kernel_connection("127.0.0.1", (lo, hi), set())
+        ports = ports_taken([conn, None])
+        assert sorted(ports) == list(range(lo, hi + 1))
+        assert conn["raft_port"] != conn["blob_port"] and conn["ip"] == "127.0.0.1"
+        with pytest.raises(UnitError, match=f"no 7 free kernel ports left in {lo}-{hi}"):
+            kernel_connection("127.0.0.1", (lo, hi), ports)
+        assert free_ports("127.0.0.1", 1, lo, lo + 1, {lo}) == [lo + 1]
 
 
 def _listening_next_to_a_free_port() -> tuple[socket.socket, int]:
