@@ -17,6 +17,7 @@ from pathlib import Path
 from jupyter_client import BlockingKernelClient, KernelManager
 
 from gpuhub.dev.cluster import AgentProcess, current_user
+from gpuhub.platform.curve import with_keys
 
 CELLS = 200
 WARMUP = 10
@@ -55,7 +56,7 @@ def gpuhub_kernel(agent: AgentProcess, name: str, gpus: int) -> BlockingKernelCl
     deadline = time.monotonic() + 60
     while True:  # the kernel's heartbeat may not be up yet ("died before replying"): connect again
         kc = BlockingKernelClient()
-        kc.load_connection_info({**unit["connection"], "key": key})
+        kc.load_connection_info(with_keys(unit["connection"], key))
         kc.start_channels()
         try:
             kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))

@@ -14,6 +14,7 @@ import time
 from gpuhub.agent.leases import Lease
 from gpuhub.agent.records import CONNECTION_FILE, UnitRecord, sha256
 from gpuhub.agent.units import SystemdRunner as UnitRunner  # ProcessRunner is one too
+from gpuhub.platform.curve import without_keys
 from gpuhub.platform.store import CorruptStore, JsonStore
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,12 @@ def load_state(store: JsonStore) -> dict:
 
 
 def read_connection(runner: UnitRunner, name: str) -> dict | None:
-    """A kernel unit's connection file, without its key."""
+    """A kernel unit's connection file, without its keys."""
     try:
         conn = json.loads((runner.unit_dir(name) / CONNECTION_FILE).read_text())
     except (OSError, ValueError):
         return None
-    conn.pop("key", None)
-    return conn
+    return without_keys(conn) if isinstance(conn, dict) else None
 
 
 async def adopt_unit(runner: UnitRunner, name: str) -> UnitRecord:

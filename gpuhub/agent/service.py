@@ -43,6 +43,7 @@ from gpuhub.agent.recovery import (
 from gpuhub.agent.units import UNIT_NAME, UnitConflict, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform import releases
+from gpuhub.platform.curve import with_keys
 from gpuhub.platform.store import CorruptStore, JsonStore
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,8 @@ class Agent:
             taken = ports_taken(u.connection for u in self.units.values())
             conn = kernel_connection(self.config.kernel_ip, self.config.kernel_ports, taken)
             record.connection = conn
-            files[CONNECTION_FILE] = json.dumps({**conn, "key": key})
+            # the key pair makes every socket of the replica CurveZMQ (gpuhub/platform/curve.py)
+            files[CONNECTION_FILE] = json.dumps(with_keys(conn, key))
             udir = self.runner.unit_dir(name)
             journal = self.journals.dir(name)
             env.update(

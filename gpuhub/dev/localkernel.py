@@ -131,7 +131,9 @@ async def serve(args: argparse.Namespace) -> int:
         write_connection_file(args.connection_file, ip=conn["ip"], key=key.encode(),
                               shell_port=conn["shell_port"], iopub_port=conn["iopub_port"],
                               stdin_port=conn["stdin_port"], control_port=conn["control_port"],
-                              hb_port=conn["hb_port"], transport="tcp", signature_scheme=conn["signature_scheme"])
+                              hb_port=conn["hb_port"], transport="tcp", signature_scheme=conn["signature_scheme"],
+                              curve_publickey=conn["curve_publickey"].encode(),
+                              curve_secretkey=conn["curve_secretkey"].encode())
         conn_path = str(Path(args.connection_file).resolve())  # noqa: ASYNC240 - once, on a path just written
         say(f"kernel ready: jupyter console --existing {conn_path}")
         print(json.dumps({"connection_file": conn_path, "kernel_id": kernel_id, "replicas": pids,

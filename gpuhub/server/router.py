@@ -33,6 +33,9 @@ What it does, and why:
   key anyway, as does the Jupyter server that runs it, so this grants no new power;
 * the client-facing shell, control and stdin ROUTERs hand a routing id over to its newest peer
   (``ROUTER_HANDOVER``, as ipykernel), so a client that reconnects with its session id gets replies;
+* every ZeroMQ socket on both sides, the client-facing ones and the replicas', is CurveZMQ with
+  the kernel's key pair (derived from its key: gpuhub/platform/curve.py), so neither the Jupyter
+  server's connection nor a replica's can be read, or even connected to, without the kernel's key;
 * it answers the client's heartbeat itself while a majority of replicas answers its own pings,
   because that is exactly when the kernel can still commit (Raft): below a majority, the Jupyter
   server must see the kernel as dead.
@@ -58,6 +61,8 @@ import zmq.asyncio
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
+from gpuhub.platform import curve
+from gpuhub.platform.curve import kernel_curve_keys
 from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
 
 DELIM = b"<IDS|MSG>"
@@ -223,6 +228,7 @@ class KernelRouter:
         if digest not in hashlib.algorithms_available:
             raise ValueError(f"unsupported signature scheme {signature_scheme!r}")
         self._digest = digest
+        self._curve = kernel_curve_keys(self.key)  # every socket, both sides (gpuhub/platform/curve.py)
         now = time.monotonic()
         self._replicas: dict[int, _Replica] = {}
         for r in replicas:
@@ -278,6 +284,7 @@ class KernelRouter:
                 elif kind == zmq.XPUB:
                     # report every subscription, not only a topic's first: each client gets a welcome
                     sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+                curve.as_server(sock, self._curve)
                 self._client[key] = sock
                 if self._want_ports[key]:
                     sock.bind(f"tcp://{self.ip}:{self._want_ports[key]}")
@@ -289,6 +296,7 @@ class KernelRouter:
             raise
         info["signature_scheme"] = self.signature_scheme
         info["key"] = self.key
+        info.update(self._curve)
         now = time.monotonic()
         self._started_at = now
         for rep in self._replicas.values():
@@ -444,6 +452,7 @@ class KernelRouter:
                                               addr=f"inproc://gpuhub-router-monitor-{next(_monitor_names)}")
                 rep.monitors.append(mon)
                 rep.tasks.append(asyncio.ensure_future(self._watch(mon, rep, key)))
+            curve.as_client(sock, self._curve)
             sock.connect(rep.url(key))
             rep.sockets[key] = sock
         handlers = {"shell_port": self._on_replica_reply, "control_port": self._on_replica_reply,

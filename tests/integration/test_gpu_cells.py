@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import threading
 import time
 
 import pytest
+import zmq
 from jupyter_client import BlockingKernelClient
 
 from gpuhub.dev.cluster import current_user
+from gpuhub.platform import curve
+from gpuhub.platform.curve import kernel_curve_keys, with_keys
+from tests import zmq_peers
 from tests.helpers import wait_for
 
 
@@ -34,7 +39,7 @@ def connect(conn: dict, key: str, timeout: float = 60) -> BlockingKernelClient:
     deadline = time.monotonic() + timeout
     while True:
         kc = BlockingKernelClient()
-        kc.load_connection_info({**conn, "key": key})
+        kc.load_connection_info(with_keys(conn, key))
         kc.start_channels()
         try:
             kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
@@ -130,6 +135,32 @@ def test_cell_sees_exactly_its_granted_gpu_and_lease_is_released(gpu_kernel):
     assert out["stdout"].strip() in uuids
     assert committed_soon(agent) == 0
     assert agent.call("GET", "/api/v1/node")[1]["pending"] == 1
+
+
+def test_a_replicas_sockets_refuse_every_client_without_the_kernels_keys(gpu_kernel):
+    """Another user of the GPU server (or of the site network) connects to the replica's ports:
+    without the kernel's CurveZMQ keys, plain or with a key pair of their own, no handshake
+    succeeds on any of them, so they read no output and send nothing; the agent wrote the keys
+    into the replica's connection file, and its rightful client works."""
+    agent, kc, unit = gpu_kernel
+    conn = unit["connection"]
+    ctx = zmq.Context.instance()
+    strangers = {"keyless": None, "own key pair": dict(zip(curve.KEY_FIELDS, (k.decode() for k in zmq.curve_keypair()),
+                                                           strict=True))}
+    kinds = {"shell_port": zmq.DEALER, "control_port": zmq.DEALER, "stdin_port": zmq.DEALER,
+             "iopub_port": zmq.SUB, "hb_port": zmq.REQ}
+    for port_key, kind in kinds.items():
+        for who, keys in strangers.items():
+            sock = zmq_peers.peer(ctx, kind, keys)
+            try:
+                outcome = zmq_peers.handshake(sock, f"tcp://{conn['ip']}:{conn[port_key]}")
+            finally:
+                sock.close(linger=0)
+            assert outcome == "failed", (port_key, who)
+    on_disk = json.loads((agent.dir / "run" / "units" / unit["name"] / "connection.json").read_text())
+    assert {k: on_disk[k] for k in curve.KEY_FIELDS} == kernel_curve_keys(on_disk["key"])
+    reply, out = run(kc, "print('only for its owner')")
+    assert reply["status"] == "ok" and out["stdout"] == "only for its owner\n", out
 
 
 def test_gpu_committed_while_cell_runs(gpu_kernel):

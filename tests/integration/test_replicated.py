@@ -20,6 +20,7 @@ from jupyter_client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster, DevKernel
+from gpuhub.platform.curve import with_keys
 from gpuhub.replication import blobclient
 from gpuhub.replication.digest import digest
 from tests.helpers import wait_for
@@ -39,7 +40,7 @@ class ReplicatedKernel(DevKernel):
     def direct_client(self, rid: int) -> BlockingKernelClient:
         """A client of one replica only: for looking at its namespace (inspect needs no election)."""
         kc = BlockingKernelClient()
-        kc.load_connection_info({**self.replica(rid)["connection"], "key": self.key.encode()})
+        kc.load_connection_info(with_keys(self.replica(rid)["connection"], self.key.encode()))
         kc.start_channels()
         return kc
 

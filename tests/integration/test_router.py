@@ -23,7 +23,10 @@ from jupyter_client.connect import write_connection_file
 from jupyter_client.session import Session
 
 from gpuhub.dev.portblocks import reserve_block
+from gpuhub.platform import curve
+from gpuhub.platform.curve import kernel_curve_keys
 from gpuhub.server.router import PORT_KEYS, KernelRouter
+from tests import zmq_peers
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
 # answers late, so a router that took the first reply would pick a follower's. It notes every
@@ -65,7 +68,8 @@ class Replicas:
         self._n += 1
         fname = str(self.tmp / f"replica-{rid}-{self._n}.json")
         ports = dict(zip(PORT_KEYS, self.ports.take(len(PORT_KEYS)), strict=True))
-        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256", **ports)
+        curve = {k: v.encode() for k, v in kernel_curve_keys(self.key).items()}  # as the agent writes them
+        write_connection_file(fname, ip="127.0.0.1", key=self.key, signature_scheme="hmac-sha256", **ports, **curve)
         with open(fname) as f:
             cfg = json.load(f)
         env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
@@ -175,12 +179,9 @@ async def _no_more_shell(kc) -> bool:
     return False
 
 
-async def _hb_answered(port: int, timeout_s: float = 0.5) -> bool:
+async def _hb_answered(info: dict, timeout_s: float = 0.5) -> bool:
     # A fresh REQ per ping: a REQ that got no answer is stuck and must be thrown away.
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.linger = 0
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock = peer(zmq.asyncio.Context.instance(), zmq.REQ, info, "hb_port")
     try:
         await sock.send(b"ping")
         return bool(await sock.poll(int(timeout_s * 1000)))
@@ -188,12 +189,18 @@ async def _hb_answered(port: int, timeout_s: float = 0.5) -> bool:
         sock.close(linger=0)
 
 
+def peer(ctx, kind: int, info: dict, port_key: str):
+    """A socket of ``kind`` connected to the router's ``port_key`` as a client holding its keys."""
+    sock = zmq_peers.peer(ctx, kind, info)
+    sock.connect(f"tcp://127.0.0.1:{info[port_key]}")
+    return sock
+
+
 @contextlib.contextmanager
-def _forger(port: int):
-    """A DEALER on the router's shell port and a Session signing with the wrong key."""
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(f"tcp://127.0.0.1:{port}")
+def _forger(info: dict):
+    """A DEALER on the router's shell port (through CurveZMQ: it knows the kernel's public key)
+    and a Session signing with the wrong key."""
+    sock = peer(zmq.asyncio.Context.instance(), zmq.DEALER, info, "shell_port")
     try:
         yield Session(key=b"not-the-key", signature_scheme="hmac-sha256"), sock
     finally:
@@ -291,7 +298,7 @@ async def _count_iopub(kc, parent_id: str, msg_type: str, want: int = 3, wait_s:
 
 async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
     _, info, kc = shared_routed
-    with _forger(info["shell_port"]) as (forger, sock):
+    with _forger(info) as (forger, sock):
         with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
             await sock.send_multipart(forger.serialize(forger.msg("kernel_info_request")))
             await sock.send_multipart([b"no delimiter at all"])
@@ -303,16 +310,42 @@ async def test_bad_signature_is_dropped_and_logged(shared_routed, caplog):
     assert reply["content"]["status"] == "ok"
 
 
+async def test_only_a_holder_of_the_kernels_key_gets_through_the_curve_handshake(shared_routed, shared_replicas):
+    """Another user on the same host or network connects to the router's or a replica's iopub:
+    without the kernel's CurveZMQ keys (derived from its key) the handshake fails, so not a byte
+    of any output reaches them; the router's own client (``kc``) works meanwhile."""
+    _, info, kc = shared_routed
+    ctx = zmq.asyncio.Context.instance()
+    replica = shared_replicas.infos[0]
+    stranger_keys = dict(zip(curve.KEY_FIELDS, (k.decode() for k in zmq.curve_keypair()), strict=True))
+    for where, port in (("router", info["iopub_port"]), ("replica", replica["iopub_port"])):
+        url = f"tcp://127.0.0.1:{port}"
+        for who, keys in (("keyless", None), ("own key pair", stranger_keys)):
+            sub = zmq_peers.peer(ctx, zmq.SUB, keys)
+            try:
+                assert await zmq_peers.handshake_async(sub, url) == "failed", (where, who)
+            finally:
+                sub.close(linger=0)
+        sub = zmq_peers.peer(ctx, zmq.SUB, kernel_curve_keys(shared_replicas.key))
+        try:
+            assert await zmq_peers.handshake_async(sub, url) == "ok", where
+        finally:
+            sub.close(linger=0)
+    reply, msgs = await _execute(kc, "print('secret')")
+    assert reply["content"]["status"] == "ok"
+    assert {m["content"]["text"] for m in msgs if m["msg_type"] == "stream"} == {"secret\n"}
+
+
 async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(routed, replicas,
                                                                              caplog):
     router, info, kc = routed
     caplog.set_level(logging.INFO, logger="gpuhub.server.router")
-    assert await _hb_answered(info["hb_port"])
+    assert await _hb_answered(info)
 
     replicas.kill(0)
     assert await _wait_for(lambda: router.live_replicas() == [1, 2])
     assert router.majority_alive()
-    assert await _hb_answered(info["hb_port"])
+    assert await _hb_answered(info)
     reply, msgs = await _execute(kc, "print(1+1)")  # two of three still make a kernel
     assert reply["content"]["status"] == "ok" and len(_statuses(msgs, "idle")) == 1
     # a Jupyter server routes many kernels into one log: each line says which kernel it is about
@@ -321,13 +354,13 @@ async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(rout
 
     replicas.kill(1)
     assert await _wait_for(lambda: not router.majority_alive())
-    assert not await _hb_answered(info["hb_port"])
+    assert not await _hb_answered(info)
     assert router.live_replicas() == [2]
 
     # replica 1 comes back elsewhere (new process, new ports): the majority and heartbeat return
     router.replace_replica(replicas.start(1))
     assert await _wait_for(lambda: router.live_replicas() == [1, 2], 10)
-    assert await _hb_answered(info["hb_port"])
+    assert await _hb_answered(info)
     # and it takes requests: every plain replica executes, so its pid shows up in the output
     pid, out = str(replicas.procs[1].pid), set()
 
@@ -472,7 +505,7 @@ async def test_held_requests_are_bounded_and_only_signed_ones_held(shared_replic
                                                                                       kc):
         running = kc.execute(f"import os, time\nwhile not os.path.exists({str(go)!r}): "
                              "time.sleep(0.02)")
-        with _forger(info["shell_port"]) as (forger, sock):
+        with _forger(info) as (forger, sock):
             with caplog.at_level(logging.WARNING, logger="gpuhub.server.router"):
                 for _ in range(50):  # a peer without the key makes the router hold nothing
                     await sock.send_multipart(forger.serialize(forger.msg(
@@ -518,8 +551,8 @@ async def test_iopub_welcome_for_each_subscriber(shared_routed, shared_replicas)
     session = Session(key=shared_replicas.key, signature_scheme="hmac-sha256")
     ctx = zmq.asyncio.Context.instance()
     for topic in (b"", b"", b"kernel."):  # a second subscriber to a topic is welcomed too
-        sub = ctx.socket(zmq.SUB)
-        sub.linger = 0
+        sub = zmq_peers.peer(ctx, zmq.SUB, info)
+        sub.setsockopt(zmq.UNSUBSCRIBE, b"")
         sub.setsockopt(zmq.SUBSCRIBE, topic)
         sub.connect(f"tcp://127.0.0.1:{info['iopub_port']}")
         try:
@@ -546,8 +579,7 @@ async def test_a_reconnecting_client_takes_its_routing_id_over(shared_routed, sh
     socks = []
     try:
         for _ in range(40):
-            sock = ctx.socket(zmq.DEALER)
-            sock.linger = 0
+            sock = zmq_peers.peer(ctx, zmq.DEALER, info)
             sock.setsockopt(zmq.ROUTING_ID, session.bsession)
             sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
             socks.append(sock)
