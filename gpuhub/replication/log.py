@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
+from gpuhub.replication import raft_guard
 from gpuhub.replication.election import Election, local_choice
 
 log = logging.getLogger("gpuhub.replication")
@@ -248,6 +249,7 @@ class RaftGroup:
             connectionRetryTime=connection_retry_s,
             useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
+        raft_guard.install()  # a stranger's bytes are bounded before they authenticate
         self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
         if journal_dir:
             _private_journal(journal_dir)  # again: pysyncobj has created its files now

@@ -6,6 +6,8 @@ RaftUnavailable without a majority. Every group is destroyed (its thread joined)
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import time
 
 import pytest
@@ -202,6 +204,28 @@ def test_a_peer_with_the_wrong_key_gets_nothing_and_disturbs_nothing(make_group)
     assert not any(intruder.connected(p) for p in a)
     assert complete(groups[0], "c5", 0, 6, x="after") is True  # the good ones keep committing
     assert wait_until(lambda: all(state(g)[0] == {"x": b"after"} for g in groups))
+
+
+def test_a_stranger_on_the_raft_port_is_dropped_after_a_few_kilobytes(make_group):
+    """pysyncobj checks a message once it is whole: a connection announcing a 2 GiB message made
+    a replica hold everything it sent. Now, before its first message decrypts, a connection may
+    have only UNAUTHENTICATED_BYTES buffered: the replica closes it, so the stranger's sending
+    fails long before 64 MiB, and the group goes on committing."""
+    a = addrs(3)
+    groups = [make_group(addr, a) for addr in a]
+    assert all(g.wait_ready(10) for g in groups)
+    host, port = a[0].rsplit(":", 1)
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        chunk = b"\0" * (1 << 16)
+        with pytest.raises(ConnectionError):  # reset by the replica (EPIPE or ECONNRESET), not a timeout
+            sock.sendall(struct.pack("i", 2**31 - 1))
+            while sent < 64 << 20:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        assert sent < 64 << 20
+    assert complete(groups[0], "c1", 0, 1, x="still") is True
+    assert wait_until(lambda: all(state(g)[0] == {"x": b"still"} for g in groups))
 
 
 def test_one_member_with_the_wrong_key_the_majority_still_commits(make_group):
