@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The offline wheelhouse for /opt/gpuhub/venv (docs/architecture.md D7). Runs on the controller.
 #
-#   scripts/build-wheelhouse.sh pin      regenerate requirements/runtime.txt (throwaway venv + freeze)
+#   scripts/build-wheelhouse.sh pin      regenerate requirements/runtime.txt (resolve, then `hash`)
+#   scripts/build-wheelhouse.sh hash     give every pin of requirements/runtime.txt the sha256 of each
+#                                        of its files on the index that fits this Python (and its sdist)
 #   scripts/build-wheelhouse.sh bundle   build (or reuse) the bundle; prints its parts as key=value lines
 #                                        (deps, deps_key, wheel, key, python) and, when something had
 #                                        to be built, "changed"
 #
 # The bundle has two parts, so that a change to gpuhub's code ships kilobytes, not the dependencies:
 #   deps-<hash>.tar  every pin of requirements/runtime.txt (plus GPUHUB_EXTRA_REQUIREMENTS, a file of more
-#                    pins) as wheels, with runtime.txt and extra.txt
+#                    pins) as wheels, with runtime.txt and extra.txt. The pins are fetched with
+#                    --require-hashes: a file whose hash differs from runtime.txt's stops the build
 #   the gpuhub wheel built from this repository
 # The release key <deps hash>-<gpuhub hash> names the venv the targets build from them (docs/upgrades.md).
 # Everything is cached under .cache/wheelhouse/, keyed by hashes of its inputs:
@@ -18,7 +21,8 @@
 # architecture as the targets: Debian 12 = CPython 3.11, x86_64) and carry .cache/wheelhouse/ over;
 # after that the gpuhub wheel is rebuilt offline from the cached setuptools/wheel.
 # PYTHON selects the interpreter (default: the repository's .venv, else python3);
-# GPUHUB_TARGET_PYTHON the targets' exact Python version for `pin` (default 3.11.2, Debian 12).
+# GPUHUB_TARGET_PYTHON the targets' exact Python version for `pin` (default 3.11.2, Debian 12);
+# PIP_INDEX_URL the index `hash` reads (default https://pypi.org/simple, its PEP 691 JSON pages).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -61,7 +65,63 @@ for name, version in pins:
         print(f"{name}=={version}")
 PYEOF
   } >"$REQ"
-  log "wrote $REQ ($(grep -vc '^#' "$REQ") pins)"
+  log "wrote $REQ ($(grep -c '^[A-Za-z0-9]' "$REQ") pins)"
+  cmd_hash
+}
+
+cmd_hash() {
+  log "hashing the pins of $REQ (the files of each release on the index that fit this Python)"
+  "$PY" - "$REQ" "${PIP_INDEX_URL:-https://pypi.org/simple}" <<'PYEOF'
+import json, re, sys, urllib.request
+from packaging.tags import sys_tags
+from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+from packaging.version import Version
+
+path, index = sys.argv[1], sys.argv[2].rstrip("/")
+supported = set(sys_tags())
+head, pins = [], []
+for line in open(path).read().splitlines():
+    if m := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^ \\;]+)", line):
+        pins.append((m.group(1), m.group(2)))
+    elif line.startswith("#") and not pins and "--require-hashes" not in line:
+        head.append(line)
+
+def hashes(name: str, version: str) -> list[str]:
+    req = urllib.request.Request(f"{index}/{canonicalize_name(name)}/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        files = json.load(resp)["files"]
+    found = set()
+    for f in files:
+        fn, sha = f["filename"], f.get("hashes", {}).get("sha256")
+        try:
+            if fn.endswith(".whl"):
+                _, v, _, tags = parse_wheel_filename(fn)
+                fits = not tags.isdisjoint(supported)
+            else:
+                _, v = parse_sdist_filename(fn)
+                fits = True
+        except ValueError:
+            continue
+        if sha and fits and v == Version(version):
+            found.add(sha)
+    if not found:
+        sys.exit(f"no file of {name}=={version} on {index} fits this Python: cannot hash it")
+    return sorted(found)
+
+with open(path + ".tmp", "w") as out:
+    for line in head:
+        print(line, file=out)
+    print("# Every pin carries the sha256 of its files that fit the targets (pip --require-hashes).", file=out)
+    for name, version in pins:
+        print(f"{name}=={version} \\", file=out)
+        hs = hashes(name, version)
+        for i, h in enumerate(hs):
+            print(f"    --hash=sha256:{h}" + (" \\" if i < len(hs) - 1 else ""), file=out)
+import os
+os.replace(path + ".tmp", path)
+PYEOF
+  log "hashed $(grep -c '^[A-Za-z0-9]' "$REQ") pins ($(grep -c -- '--hash=' "$REQ") hashes)"
 }
 
 cmd_bundle() {
@@ -84,9 +144,14 @@ cmd_bundle() {
     log "downloading/building the pinned wheels for $pyid (first time for these pins: a few minutes)"
     rm -rf "$deps"
     mkdir -p "$deps"
-    local args=(-r "$REQ")
+    # The pins only from files whose hashes runtime.txt names (sdists are built here; what their
+    # build backends fetch is not hash-checked: a limit of pip's). Then, unchecked, the build
+    # backend of the gpuhub wheel and the site's extra pins (its own file; it may hash them too).
+    "$PY" -m pip wheel -q --disable-pip-version-check --require-hashes --wheel-dir "$deps" -r "$REQ" \
+      >"$CACHE/pip.log" 2>&1 || { tail -n 40 "$CACHE/pip.log" >&2; exit 1; }
+    local args=("${BUILD_REQS[@]}")
     [ -z "$EXTRA" ] || args+=(-r "$EXTRA")
-    "$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$deps" "${args[@]}" "${BUILD_REQS[@]}" \
+    "$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$deps" "${args[@]}" \
       >"$CACHE/pip.log" 2>&1 || { tail -n 40 "$CACHE/pip.log" >&2; exit 1; }
     touch "$deps/.complete"
     changed=1
@@ -120,7 +185,9 @@ cmd_bundle() {
     ln "$deps"/*.whl "$stage"/ 2>/dev/null || cp "$deps"/*.whl "$stage"/
     # The build backend is not needed on the targets.
     rm -f "$stage"/setuptools-*.whl "$stage"/wheel-*.whl
-    cp "$REQ" "$stage/runtime.txt"
+    # Without the hashes: they were checked above, and a wheel built here from an sdist has none
+    # on the index. The targets install these wheels only (--no-index).
+    sed -e '/^ *--hash=/d' -e 's/ *\\$//' "$REQ" >"$stage/runtime.txt"
     if [ -n "$EXTRA" ]; then cp "$EXTRA" "$stage/extra.txt"; else : >"$stage/extra.txt"; fi
     tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$stage" -cf "$deps_tar.tmp" .
     mv "$deps_tar.tmp" "$deps_tar"
@@ -141,9 +208,10 @@ cmd_bundle() {
 
 case "${1:-}" in
   pin) cmd_pin ;;
+  hash) cmd_hash ;;
   bundle) cmd_bundle ;;
   *)
-    sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
