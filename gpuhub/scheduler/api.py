@@ -166,6 +166,7 @@ class KernelHandler(SchedulerHandler):
             user = self.require_user()
             if record is not None and record.user != user:
                 raise ApiError(404, f"no kernel {kernel_id}")
+            self.scheduler.heard_from_owner(kernel_id)  # its server is alive
         if record is None:
             raise ApiError(404, f"no kernel {kernel_id}")
         return record

@@ -30,6 +30,11 @@ class SchedulerConfig(HttpLimits):
     node_forget_after_s = Float(86400.0, min=0.0, config=True,
                                 help="A lost node with no replica is dropped from the books after this long "
                                      "without a heartbeat (it comes back with its next one).")
+    kernel_orphan_after_s = Float(3600.0, min=0.0, config=True,
+                                  help="A kernel its user's server has not asked about for this long is stopped: the "
+                                       "server crashed or its host was lost (a running Jupyter server asks every few "
+                                       "seconds). Counted from the scheduler's start for kernels it already had; 0: "
+                                       "never.")
     replica_dead_grace_s = Float(10.0, min=0.0, config=True,
                                  help="A replica whose unit has been dead this long on a live node is replaced.")
     migration_interval_s = Float(10.0, min=0.0, config=True,

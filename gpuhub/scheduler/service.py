@@ -134,6 +134,9 @@ class Scheduler:
         # kernel being created -> (its user, its creation): the id is taken from the first request on
         self._creating: dict[str, tuple[str, asyncio.Future]] = {}
         self.started = time.monotonic()
+        # When the kernel's user (their Jupyter server) last asked about it, on the monotonic
+        # clock: a kernel nobody asks about has lost its server (stop_orphaned_kernels).
+        self._owner_heard: dict[str, float] = {}
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
@@ -409,6 +412,7 @@ class Scheduler:
                 await self._stop_replica(rep)
             raise
         self.kernels[kernel_id] = record
+        self.heard_from_owner(kernel_id)
         self.counters["placements"] += 1
         self.kernel_start.observe(time.monotonic() - started)
         self.save()
@@ -686,9 +690,32 @@ class Scheduler:
         except ApiClientError as exc:
             log.warning("could not stop %s on %s: %s", rep.unit, rep.node, exc)
 
+    def heard_from_owner(self, kernel_id: str) -> None:
+        """The kernel's user asked about it (their server polls it while it runs)."""
+        if kernel_id in self.kernels:
+            self._owner_heard[kernel_id] = time.monotonic()
+
+    async def stop_orphaned_kernels(self) -> None:
+        """Stop the kernels whose user's server has not asked about them for kernel_orphan_after_s:
+        that server crashed or its host was lost, and nothing else would ever stop them (their
+        replicas would hold their placements, and their GPU share, for good)."""
+        limit = self.config.kernel_orphan_after_s
+        if not limit:
+            return
+        now = time.monotonic()
+        for kid, rec in list(self.kernels.items()):
+            if kid in self._creating:
+                continue
+            heard = self._owner_heard.setdefault(kid, now)  # loaded or adopted: a whole grace from now
+            if now - heard > limit:
+                log.warning("kernel %s of %s: its server has not asked about it for %.0f s (the server is gone); "
+                            "stopping it", kid, rec.user, now - heard)
+                await self.delete_kernel(kid)
+
     async def delete_kernel(self, kernel_id: str) -> bool:
         record = self.kernels.pop(kernel_id, None)
         self._last_migration.pop(kernel_id, None)
+        self._owner_heard.pop(kernel_id, None)
         if record is None:
             return False
         for rep in record.replicas:
@@ -771,6 +798,7 @@ class Scheduler:
                     # the next round would adopt the kernel again, and its journals would stay.
                     if r.unit in seen.get(r.node, ()):
                         await self._stop_replica(r)
+        await self.stop_orphaned_kernels()
         self.forget_gone_nodes()
         self.save()
 

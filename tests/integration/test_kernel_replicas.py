@@ -338,6 +338,31 @@ async def test_reconcile_forgets_a_kernel_whose_replicas_all_died_and_stops_thei
     assert s.kernels == {}
 
 
+async def test_a_kernel_whose_server_stopped_asking_about_it_is_stopped_after_the_grace(make_agent, tmp_path):
+    """A user's Jupyter server polls its kernels every few seconds. One that crashed (or whose
+    host was lost) never stops them: after kernel_orphan_after_s without a word from their user,
+    the scheduler stops them, units and all; a kernel still asked about stays."""
+    a = make_agent("n1", gpus=0)
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path / "sched"), kernel_orphan_after_s=600),
+                  agent_token=a.token)
+    s.heartbeat({"node": "n1", "url": a.url})
+    units = {}
+    for kid in ("orphan", "polled"):
+        u = start_unit(a, f"gpuhub-kernel-{kid}-r0", kernel_id=kid)
+        units[kid] = u["name"]
+        s.kernels[kid] = KernelRecord(kid, current_user(), 0, key="k", replicas=[
+            ReplicaRecord("n1", u["name"], u["connection"], id=0)])
+    await s.reconcile()  # kernels from the books get a whole grace from the scheduler's start
+    assert set(s.kernels) == {"orphan", "polled"}
+    s._owner_heard["orphan"] -= 601  # its server crashed ten minutes ago
+    s._owner_heard["polled"] -= 601
+    s.heard_from_owner("polled")  # this one's server just asked (GET /api/v1/kernels/polled)
+    await s.reconcile()
+    assert set(s.kernels) == {"polled"}
+    assert a.call("GET", f"/api/v1/units/{units['orphan']}")[0] == 404
+    assert a.call("GET", f"/api/v1/units/{units['polled']}")[1]["state"] == "active"
+
+
 def test_books_written_before_replica_ids_still_load(tmp_path):
     sched = SchedulerProcess(tmp_path, secrets.token_urlsafe(24), {})
     (sched.dir / "state").mkdir(mode=0o700)
