@@ -190,6 +190,11 @@ class GpuhubKernel(IPythonKernel):
         self._role = "executor"
         if self.replica is not None:
             await self._wait_joined()
+            # Joining loads the namespace on its own thread with sys.stdout and sys.stderr swapped
+            # for a sink (gpuhub/kernel/quiet.py). A request dispatched meanwhile (this cell, on a
+            # replica that joined while it waited) told the sink its parent, not the kernel's
+            # streams: its output would go out with no parent, and clients drop such output.
+            self.shell.set_parent(self.get_parent("shell"))
             try:
                 return await self._execute_replicated(code, silent, store_history, user_expressions,
                                                       allow_stdin, cell_meta=cell_meta, cell_id=cell_id)

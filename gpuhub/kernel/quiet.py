@@ -6,6 +6,11 @@ classes' unpickling code; a GPU kernel's replica also imports what a cell's proc
 that made the value, as a plain kernel shows it; printed again here it would reach the notebook as
 more output of the last cell (once per replica). Logging is unaffected: its handlers keep their own
 streams.
+
+The swap is process-wide, not per thread: while a replica joins its group, the join thread loads
+the namespace with the sink in place, and a request the kernel's thread dispatches meanwhile sets
+its parent header on the sink instead of on the kernel's streams. So every replicated cell sets its
+parent again before it runs (``GpuhubKernel.do_execute``).
 """
 
 from __future__ import annotations
