@@ -468,6 +468,11 @@ class KernelRouter:
             t.cancel()
         rep.tasks = []
         for sock in rep.sockets.values():
+            # Stop the socket's monitor before closing our end of it: libzmq sends monitor events
+            # with a blocking send, from its I/O thread, so an event (the replica's process exiting
+            # just now: DISCONNECTED) sent after our end closed blocks that thread for good, and
+            # every socket of this router with it (all replicas then look dead).
+            sock.disable_monitor()
             sock.close(linger=0)
         for mon in rep.monitors:
             mon.close(linger=0)
