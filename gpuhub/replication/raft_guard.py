@@ -40,7 +40,7 @@ def install() -> None:
     disconnect = TcpConnection.disconnect
     if read is None or parse is None:
         raise RuntimeError("this pysyncobj lacks the methods gpuhub guards (gpuhub/replication/raft_guard.py): "
-                           "install the version requirements.txt pins")
+                           "install the version requirements/runtime.txt pins")
 
     def guarded_read(self: TcpConnection) -> bool:
         more = read(self)
