@@ -26,7 +26,7 @@ from pathlib import Path
 import tomli_w
 
 from gpuhub.dev.portblocks import reserve_block
-from gpuhub.platform.http_client import ApiClientError, call_json, default_client
+from gpuhub.platform.http_client import ApiClientError, call_json, call_json_sync, default_client
 
 
 def free_port() -> int:
@@ -69,16 +69,8 @@ class AgentProcess:
                 [sys.executable, "-m", "gpuhub.agent.main", "--config", str(self.config), "--log-level", "DEBUG"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "/api/v1/node")
-                return self
-            except ApiClientError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"agent died: {(self.dir / 'agent.log').read_text()}") from None
-                time.sleep(0.1)
-        raise RuntimeError("agent did not start")
+        _wait_answering(self.proc, self.dir / "agent.log", "agent", lambda: self.call("GET", "/api/v1/node"), 20)
+        return self
 
     def stop_units(self) -> None:
         """Stop every unit this agent started: through its API, and then, should the agent be gone,
@@ -190,6 +182,21 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
+def _wait_answering(proc: subprocess.Popen, log: Path, what: str, probe, timeout_s: float) -> None:
+    """Return once ``probe()`` (a request to the daemon's API) succeeds; RuntimeError with the
+    daemon's log if it died, or if it did not answer within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            probe()
+            return
+        except ApiClientError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} died: {log.read_text()}") from None
+        time.sleep(0.1)
+    raise RuntimeError(f"the {what} did not answer within {timeout_s:g} s")
+
+
 class SchedulerProcess:
     def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
                  replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
@@ -222,17 +229,9 @@ class SchedulerProcess:
 
     def wait_ready(self, timeout_s: float = 30) -> SchedulerProcess:
         """Return once its API answers (a scheduler that died or never answers raises RuntimeError)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if default_client().request("GET", self.url + "/api/v1/nodes", token=self.token,
-                                            timeout=5).status == 200:
-                    return self
-            except ApiClientError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"scheduler died: {(self.dir / 'scheduler.log').read_text()}") from None
-            time.sleep(0.1)
-        raise RuntimeError("the scheduler did not answer")
+        _wait_answering(self.proc, self.dir / "scheduler.log", "scheduler",
+                        lambda: call_json_sync("GET", self.url + "/api/v1/nodes", self.token, timeout=5), timeout_s)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
