@@ -49,8 +49,10 @@ async def test_recovery_without_a_state_file(tmp_path):
 
 def test_kernel_ports_never_hand_out_a_taken_port():
     with reserve_block() as block:  # a range no other agent or test on this host hands out now
-        lo = block.first
-        hi = lo + KERNEL_PORT_COUNT - 1
+        # its last ports: a block is handed out from its first, so those of an earlier holder
+        # may still be in TIME_WAIT
+        hi = block.last
+        lo = hi - KERNEL_PORT_COUNT + 1
         conn = kernel_connection("127.0.0.1", (lo, hi), set())
         ports = ports_taken([conn, None])
         assert sorted(ports) == list(range(lo, hi + 1))
