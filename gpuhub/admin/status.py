@@ -13,6 +13,7 @@ import gpuhub
 from gpuhub.platform import releases
 from gpuhub.platform.config import ConfigError, load_settings, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
+from gpuhub.platform.tls import local_api_url
 
 DEFAULT_CONFIG = "/etc/gpuhub/scheduler.toml"
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"  # every host's: where the scheduler is (roles/gpuhub_common)
@@ -45,8 +46,7 @@ class Scheduler:
         except ConfigError as exc:
             hint = " (run gpuhub as root on the hub host)" if "permission denied" in str(exc) else ""
             raise StatusError(f"{exc}{hint}", 2) from None
-        host = "127.0.0.1" if config.listen_address in ("0.0.0.0", "::") else config.listen_address
-        return cls(f"http://{host}:{config.port}", token, config.token_file)
+        return cls(local_api_url(config), token, config.token_file)
 
     def get(self, path: str) -> dict:
         return self.call("GET", path)

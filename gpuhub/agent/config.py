@@ -7,9 +7,10 @@ import os
 from traitlets import Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
 
 from gpuhub.platform.http_server import HttpLimits
+from gpuhub.platform.tls import TlsSettings
 
 
-class AgentConfig(HttpLimits):
+class AgentConfig(HttpLimits, TlsSettings):
     """The agent's settings; in the TOML file as top-level keys."""
 
     node_name = Unicode(config=True, help="This node's name in the scheduler's books (default: the host name).")
@@ -17,7 +18,8 @@ class AgentConfig(HttpLimits):
     port = Int(8601, min=1, max=65535, config=True, help="Port of the agent's HTTP API.")
     advertise_url = Unicode(
         config=True,
-        help="URL the scheduler and the hub reach this agent at (default: http://{kernel_ip}:{port}).",
+        help="URL the scheduler and the hub reach this agent at (default: http(s)://{kernel_ip}:{port},\n"
+             "https when tls_cert_file is set).",
     )
     kernel_ip = Unicode("127.0.0.1", config=True,
                         help="Address kernel units listen on (their ZMQ, Raft and blob ports).")
@@ -51,7 +53,8 @@ class AgentConfig(HttpLimits):
         super().__init__(**kwargs)
         # Empty (unset, or "" in the file): derived once, from the final kernel_ip and port.
         if not self.advertise_url:
-            self.advertise_url = f"http://{self.kernel_ip}:{self.port}"
+            scheme = "https" if self.tls_cert_file else "http"
+            self.advertise_url = f"{scheme}://{self.kernel_ip}:{self.port}"
 
     @default("node_name")
     def _default_node_name(self) -> str:

@@ -76,7 +76,7 @@ class AgentDaemon(Daemon):
 
     def listening_message(self) -> str:
         a = self.agent
-        return (f"gpuhub-agent {a.config.node_name} listening on {a.config.listen_address}:{a.config.port} "
+        return (f"{super().listening_message()} as node {a.config.node_name} "
                 f"({a.book.gpu_count} GPU(s), backend {a.inventory.backend}, units via {a.runner.backend})")
 
     def background(self) -> list:

@@ -45,6 +45,7 @@ from gpuhub.gpus.inventory import GpuInventory, open_inventory
 from gpuhub.platform import releases
 from gpuhub.platform.curve import with_keys
 from gpuhub.platform.store import CorruptStore, JsonStore
+from gpuhub.platform.tls import local_api_url
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,8 @@ class Agent:
         return releases.pin(argv, env, self.config.venv)
 
     def local_agent_url(self) -> str:
-        host = self.config.listen_address
-        if host in ("0.0.0.0", "::", "127.0.0.1", "localhost"):
-            host = "127.0.0.1"
-        return f"http://{host}:{self.config.port}"
+        """Where this server's units reach the agent."""
+        return local_api_url(self.config)
 
     async def start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
                          argv: list[str] | None, key: str = "", kernel_id: str = "", replica_id: int = 0) -> dict:

@@ -295,7 +295,9 @@ class ProcessRunner(SystemdRunner):
             write_private(udir / fname, content, me.pw_uid, me.pw_gid)
         # Like systemd's: the agent reads it back after a restart (lease token, replica id).
         write_private(self.runtime_dir / "units" / f"{spec.name}.env", env_text, me.pw_uid, me.pw_gid)
-        keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL")
+        # SSL_CERT_FILE: the trust store the agent was given stands for the host's (/etc/ssl/certs,
+        # which systemd units read) so that a unit's calls to an agent on TLS verify as they would there.
+        keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL", "SSL_CERT_FILE")
         env = {k: v for k, v in os.environ.items() if k in keep}
         env.update(spec.env)
         # Not in a thread: with no await before the process is registered, concurrent starts cannot

@@ -41,7 +41,7 @@ class AgentProcess:
         The agent hands out kernel ports from a block it owns until ``close`` (gpuhub.dev.portblocks)."""
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{_scheme(extra)}://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.dir = tmp / name
         (self.dir / "secrets").mkdir(parents=True)
@@ -140,6 +140,7 @@ class AgentProcess:
         self.stop_units()
         self.stop()
         self.ports.close()
+        default_client().discard(self.url)  # its kept connections would linger in CLOSE_WAIT
 
     def call(self, method: str, path: str, body=None, token: str | None = "admin", raw: bytes | None = None):
         if token == "admin":
@@ -182,6 +183,11 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
+def _scheme(settings: dict | None) -> str:
+    """A daemon given a certificate serves https (gpuhub.platform.tls)."""
+    return "https" if (settings or {}).get("tls_cert_file") else "http"
+
+
 def _wait_answering(proc: subprocess.Popen, log: Path, what: str, probe, timeout_s: float) -> None:
     """Return once ``probe()`` (a request to the daemon's API) succeeds; RuntimeError with the
     daemon's log if it died, or if it did not answer within ``timeout_s``."""
@@ -201,7 +207,7 @@ class SchedulerProcess:
     def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
                  replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{_scheme(settings)}://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.dir = tmp / "scheduler"
         (self.dir / "secrets").mkdir(parents=True)
@@ -237,6 +243,7 @@ class SchedulerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+        default_client().discard(self.url)
 
 
 class DevCluster:

@@ -27,6 +27,7 @@ from traitlets.config.loader import KVArgParseConfigLoader
 
 from gpuhub.platform.config import ConfigError, load_config_file, make_settings, read_secret
 from gpuhub.platform.http_server import LogLimiter, server_limits
+from gpuhub.platform.tls import server_context
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -88,6 +89,8 @@ class Daemon(Application):
     #: Set by initialize(): the settings_class instance, and the tokens read (see secret_files).
     settings: Any
     secrets: dict[str, str]
+    #: Set by initialize(): the API's TLS context, None for plain HTTP (gpuhub.platform.tls).
+    tls_context: Any = None
 
     # A subclass redeclares it with its file as the default (shown by --help).
     config_file = Unicode(config=True, help="The daemon's TOML config file.")
@@ -164,7 +167,8 @@ class Daemon(Application):
         return []
 
     def listening_message(self) -> str:
-        return f"{self.name} listening on {self.settings.listen_address}:{self.settings.port}"
+        scheme = "https" if self.tls_context else "http"
+        return f"{self.name} listening on {scheme}://{self.settings.listen_address}:{self.settings.port}"
 
     def on_stop(self) -> None:
         """After the server stopped and the background tasks ended (save state)."""
@@ -197,6 +201,7 @@ class Daemon(Application):
         source = f"{self.config_file} or the command line" if cli else self.config_file
         self.settings = make_settings(self.settings_class, self.config, source, parent=self)
         self.secrets = {what: read_secret(path, what) for what, path in self.secret_files().items()}
+        self.tls_context = server_context(self.settings)
         self.init_service()
 
     async def serve(self) -> None:
@@ -205,7 +210,7 @@ class Daemon(Application):
         web_app.settings["log_function"] = access_log(logging.getLogger(f"{self.log.name}.access"),
                                                       self.quiet_paths)
         web_app.settings["gpuhub_max_body_bytes"] = self.settings.max_body_bytes
-        server = HTTPServer(web_app, xheaders=False, **server_limits(self.settings))
+        server = HTTPServer(web_app, xheaders=False, ssl_options=self.tls_context, **server_limits(self.settings))
         server.listen(self.settings.port, address=self.settings.listen_address)
         self.log.info("%s", self.listening_message())
         tasks = [asyncio.create_task(c) for c in self.background()]

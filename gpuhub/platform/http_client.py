@@ -15,6 +15,7 @@ import asyncio
 import http.client
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +91,17 @@ class _HTTPSPool(HTTPSConnectionPool):
 class HttpClient:
     """Kept-alive connections per host, shared by any number of threads."""
 
-    def __init__(self, maxsize: int = 10, connect_timeout: float = 5.0) -> None:
+    def __init__(self, maxsize: int = 10, connect_timeout: float = 5.0, ca_file: str | None = None,
+                 max_hosts: int = 1024) -> None:
+        """``ca_file``: the CA certificates an https server's certificate must chain to; by default the
+        host's trust store (where the roles install the cluster CA). The name is always checked.
+        ``max_hosts``: connections are kept for this many hosts, the ones used last; a host's pool
+        beyond that is closed (a server that left the cluster must not hold descriptors for good)."""
         self.maxsize = maxsize  # idle connections kept per host; more may be open at once
         self.connect_timeout = connect_timeout
-        self._pools: dict[tuple[str, str, int], HTTPConnectionPool] = {}
+        self.ca_file = ca_file
+        self.max_hosts = max_hosts
+        self._pools: OrderedDict[tuple[str, str, int], HTTPConnectionPool] = OrderedDict()
         self._lock = threading.Lock()
         self._opened = 0
 
@@ -108,16 +116,35 @@ class HttpClient:
 
     def _pool(self, scheme: str, host: str, port: int) -> HTTPConnectionPool:
         key = (scheme, host, port)
-        pool = self._pools.get(key)
-        if pool is not None:
-            return pool
+        evicted = []
         with self._lock:
             pool = self._pools.get(key)
-            if pool is None:
-                cls = _HTTPSPool if scheme == "https" else _HTTPPool
-                pool = self._pools[key] = cls(host, port, maxsize=self.maxsize, retries=_NO_RETRY,
-                                              on_connect=self._count)
-            return pool
+            if pool is not None:
+                self._pools.move_to_end(key)
+            else:
+                if scheme == "https":
+                    pool = _HTTPSPool(host, port, maxsize=self.maxsize, retries=_NO_RETRY, on_connect=self._count,
+                                      cert_reqs="CERT_REQUIRED", ca_certs=self.ca_file)
+                else:
+                    pool = _HTTPPool(host, port, maxsize=self.maxsize, retries=_NO_RETRY, on_connect=self._count)
+                self._pools[key] = pool
+                while len(self._pools) > self.max_hosts:
+                    evicted.append(self._pools.popitem(last=False)[1])
+        for old in evicted:  # its connections in use are closed when they come back
+            old.close()
+        return pool
+
+    def discard(self, url: str) -> None:
+        """Close the kept connections to ``url``'s host (a server that is gone for good)."""
+        parts = urlsplit(url)
+        try:
+            key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+        except ValueError:
+            return
+        with self._lock:
+            pool = self._pools.pop(key, None)
+        if pool is not None:
+            pool.close()
 
     def request(self, method: str, url: str, *, token: str | None = None, body: Any = None,
                 data: bytes | None = None, headers: Mapping[str, str] | None = None,
@@ -176,7 +203,7 @@ class HttpClient:
 
     def close(self) -> None:
         with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
+            pools, self._pools = list(self._pools.values()), OrderedDict()
         for pool in pools:
             pool.close()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from traitlets import Bool, Dict, Float, Int, TraitError, Unicode, validate
 
 from gpuhub.platform.http_server import HttpLimits
+from gpuhub.platform.tls import TlsSettings
 
 
-class SchedulerConfig(HttpLimits):
+class SchedulerConfig(HttpLimits, TlsSettings):
     """The scheduler's settings; in the TOML file as top-level keys."""
 
     listen_address = Unicode("127.0.0.1", config=True, help="Address the scheduler's HTTP API listens on.")

@@ -69,7 +69,7 @@ class SchedulerDaemon(Daemon):
         return make_app(self.scheduler, self.secrets["scheduler"], users)
 
     def listening_message(self) -> str:
-        return (f"gpuhub-scheduler listening on {self.settings.listen_address}:{self.settings.port} "
+        return (f"{super().listening_message()} "
                 f"({len(self.scheduler.kernels)} kernel(s) in the books)")
 
     def background(self) -> list:
