@@ -30,7 +30,7 @@ class Cluster:
     groups: dict[str, list[str]]
     agent_token: str = field(repr=False)
     passwords: dict[str, str] = field(default_factory=dict, repr=False)
-    ca_file: str = ""  # the hub's (self-signed) certificate: HTTPS is verified against it
+    ca_file: str = ""  # the hub's (self-signed) certificate and the cluster CA: HTTPS is verified against them
 
     @property
     def hub(self) -> str:
@@ -41,7 +41,11 @@ class Cluster:
         return f"https://{self.hub}"
 
     def agent_url(self, node: str) -> str:
-        return f"http://{self.hosts[node]}:8601"
+        return f"https://{self.hosts[node]}:8601"
+
+    @property
+    def scheduler_url(self) -> str:
+        return f"https://{self.hub}:8600"
 
     def exec(self, node: str, *argv: str, check: bool = True) -> str:
         """Run a command inside a cluster host (as root), like an admin on its console."""
@@ -106,8 +110,11 @@ def load_cluster(ca_dir: Path) -> Cluster | str:
     missing = [ctr for ctr in containers.values() if ctr not in running]
     if missing:
         return f"cluster {c.name} is not running ({', '.join(missing)} down): scripts/cluster.sh up {c.name}"
-    ca = ca_dir / "hub.crt"
-    ca.write_text(c.exec(c.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt"))
+    # The hub's own certificate (self-signed unless the inventory brings one) and the cluster CA, which
+    # signed the agents' and the scheduler's certificates.
+    ca = ca_dir / "trusted.pem"
+    ca.write_text(c.exec(c.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt")
+                  + (creds / "tls" / "ca.crt").read_text())
     c.ca_file = str(ca)
     return c
 

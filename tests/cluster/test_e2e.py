@@ -348,11 +348,11 @@ def test_only_a_token_with_the_kernel_scope_may_run_kernels(cluster, alice, alic
         headers={"Authorization": f"token {alice.token}"}, timeout=30)
     assert r.status_code in (200, 201), r.text[:500]
     narrow = r.json()["token"]
-    scheduler = f"http://{cluster.hub}:8600/api/v1/kernels"
+    scheduler = f"{cluster.scheduler_url}/api/v1/kernels"
     for token, expected in ((narrow, 403), (alice.token, 200)):  # her full token inherits the scope
-        got = requests.get(scheduler, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        got = http_session(cluster).get(scheduler, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         assert got.status_code == expected, (got.status_code, got.text[:300])
-    refused = requests.post(scheduler, headers={"Authorization": f"Bearer {narrow}"}, timeout=30,
+    refused = http_session(cluster).post(scheduler, headers={"Authorization": f"Bearer {narrow}"}, timeout=30,
                             json={"kernel_id": "stolen1", "key": "k", "gpus": 1})
     assert refused.status_code == 403 and "custom:gpuhub:kernels" in refused.json()["error"]
 

@@ -193,6 +193,7 @@ def run_role_config(tmp: Path, inventory: str, extra_vars: dict) -> Path:
         "prometheus_rules_dir": str(out / "rules"),
         "prometheus_secrets_dir": str(out / "secrets"),
         "gpuhub_credentials_dir": str(tmp / "credentials"),
+        "gpuhub_tls": False,  # the daemons started here serve plain HTTP
         "prometheus_service_enabled": False,
         **extra_vars,
     }
