@@ -373,6 +373,32 @@ def test_admin_sees_the_kernel_and_every_servers_version(cluster, alice_kernel):
     assert set(versions["nodes"].values()) == {versions["cli"]}, versions
 
 
+def test_the_daemons_answer_only_over_tls_with_the_cluster_cas_certificates(cluster, tmp_path):
+    """Every agent and the scheduler serve https with a certificate the roles' cluster CA signed for
+    the address the others reach them at; a client that trusts only the hub's own certificate gets
+    no answer (the token is never sent), and plain HTTP gets no API."""
+    hub_only = tmp_path / "hub-only.pem"
+    hub_only.write_text(cluster.exec(cluster.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt"))
+    ca_file = str(cluster.inventory_dir / "credentials" / "tls" / "ca.crt")
+    servers = {node: cluster.agent_url(node) for node in cluster.groups["gpu_nodes"] + cluster.groups["notebook_hosts"]}
+    servers["scheduler"] = cluster.scheduler_url
+    for name, url in servers.items():
+        path = "/api/v1/nodes" if name == "scheduler" else "/api/v1/node"
+        s = requests.Session()
+        s.trust_env = False
+        s.verify = ca_file
+        assert s.get(url + path, timeout=10).status_code == 401, name  # verified; no token: refused
+        s.verify = str(hub_only)
+        with pytest.raises(requests.exceptions.SSLError):
+            s.get(url + path, timeout=10)
+        plain = url.replace("https://", "http://")
+        try:
+            answer = s.get(plain + path, timeout=10)
+        except requests.ConnectionError:
+            continue
+        assert answer.status_code == 400, (name, answer.status_code)  # tornado refusing plain HTTP
+
+
 def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
     """The real daemons and the real JupyterHub, with the tokens the roles gave Prometheus (the
     local monitoring tests stand in a stub for the hub: here it is the real one)."""
