@@ -36,6 +36,13 @@ class SchedulerConfig(HttpLimits, TlsSettings):
                                        "server crashed or its host was lost (a running Jupyter server asks every few "
                                        "seconds). Counted from the scheduler's start for kernels it already had; 0: "
                                        "never.")
+    kernel_max_gpus = Int(0, min=0, config=True,
+                          help="Most GPUs one kernel may ask for (the roles set the largest profile's); 0: no limit.")
+    user_max_kernels = Int(0, min=0, config=True,
+                           help="Most kernels one user may have at once, over all their servers; 0: no limit.")
+    user_max_placed_gpus = Int(0, min=0, config=True,
+                               help="Most GPUs one user's kernels may ask for together (placements, not grants: "
+                                    "a kernel of 2 GPUs counts 2 whether its cells run or not); 0: no limit.")
     replica_dead_grace_s = Float(10.0, min=0.0, config=True,
                                  help="A replica whose unit has been dead this long on a live node is replaced.")
     migration_interval_s = Float(10.0, min=0.0, config=True,

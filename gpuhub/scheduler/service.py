@@ -34,6 +34,10 @@ DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
 MIGRATION_CANDIDATES = 3
 
 
+class UserLimitExceeded(PermissionError):
+    """A user's new kernel would pass user_max_kernels or user_max_placed_gpus (403, with why)."""
+
+
 def replica_unit(kernel_id: str, replica_id: int) -> str:
     return f"gpuhub-kernel-{kernel_id}-r{replica_id}"
 
@@ -131,8 +135,9 @@ class Scheduler:
         self._last_migration: dict[str, float] = {}  # kernel -> when its last migration began (monotonic)
         self._tasks: set[asyncio.Task] = set()  # migrations under way
         self._placing: dict[str, list[str]] = {}  # kernel being created -> the servers chosen for it
-        # kernel being created -> (its user, its creation): the id is taken from the first request on
-        self._creating: dict[str, tuple[str, asyncio.Future]] = {}
+        # kernel being created -> (its user, its GPUs, its creation): the id is taken from the first
+        # request on, and it counts against its user's limits
+        self._creating: dict[str, tuple[str, int, asyncio.Future]] = {}
         self.started = time.monotonic()
         # When the kernel's user (their Jupyter server) last asked about it, on the monotonic
         # clock: a kernel nobody asks about has lost its server (stop_orphaned_kernels).
@@ -351,12 +356,13 @@ class Scheduler:
                 raise PermissionError("that kernel belongs to another user")
             return existing
         if kernel_id in self._creating:  # taken by a request still placing it
-            owner, creation = self._creating[kernel_id]
+            owner, _, creation = self._creating[kernel_id]
             if owner != user:
                 raise PermissionError("that kernel belongs to another user")
             return await asyncio.shield(creation)  # the same request again (a retry): its answer
+        self.check_user_limits(user, gpus)  # before the id is taken: no await in between
         creation = asyncio.get_running_loop().create_future()
-        self._creating[kernel_id] = (user, creation)
+        self._creating[kernel_id] = (user, gpus, creation)
         try:
             record = await self._create_kernel(user, kernel_id, key, gpus, replicas, cwd)
         except asyncio.CancelledError:
@@ -371,6 +377,23 @@ class Scheduler:
             return record
         finally:
             del self._creating[kernel_id]
+
+    def check_user_limits(self, user: str, gpus: int) -> None:
+        """A new kernel of ``user`` asking for ``gpus``: ValueError past kernel_max_gpus,
+        UserLimitExceeded past the user's kernel or placed-GPU limit (kernels being created count)."""
+        cfg = self.config
+        if cfg.kernel_max_gpus and gpus > cfg.kernel_max_gpus:
+            raise ValueError(f"a kernel may have at most {cfg.kernel_max_gpus} GPU(s), not {gpus} "
+                             "(kernel_max_gpus: the largest profile's)")
+        held = [k.gpus for k in self.kernels.values() if k.user == user]
+        held += [g for owner, g, _ in self._creating.values() if owner == user]
+        if cfg.user_max_kernels and len(held) >= cfg.user_max_kernels:
+            raise UserLimitExceeded(f"{user} has {len(held)} kernel(s), the most one user may have at once "
+                                    f"(user_max_kernels); shut one down first")
+        if cfg.user_max_placed_gpus and sum(held) + gpus > cfg.user_max_placed_gpus:
+            raise UserLimitExceeded(f"{user}'s kernels have {sum(held)} GPU(s); {gpus} more would pass the "
+                                    f"{cfg.user_max_placed_gpus} one user's kernels may have together "
+                                    "(user_max_placed_gpus); shut one down first")
 
     async def _create_kernel(self, user: str, kernel_id: str, key: str, gpus: int, replicas: int,
                              cwd: str) -> KernelRecord:

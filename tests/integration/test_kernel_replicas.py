@@ -406,3 +406,27 @@ async def test_a_scheduler_that_lost_its_books_gets_each_kernels_key_back_from_t
     assert len(a.call("GET", "/api/v1/units")[1]["units"]) == 3
     assert a.call("GET", "/api/v1/units/gpuhub-kernel-k9-r0/key", token="wrong")[0] == 401
     assert a.call("GET", "/api/v1/units/gpuhub-kernel-nope-r0/key")[0] == 404
+
+
+def test_the_scheduler_holds_each_user_to_the_kernel_and_gpu_limits(tmp_path):
+    """Limits a user's own server cannot lift by asking the API directly (the spawn form's profile is
+    a client-side choice): the largest profile's GPUs per kernel, and kernels and placed GPUs per user."""
+    from gpuhub.dev.cluster import DevCluster
+
+    dev = DevCluster(tmp_path, nodes=1, gpus_per_node=2,
+                     scheduler_settings={"kernel_max_gpus": 2, "user_max_kernels": 1}).start()
+    try:
+        def new_kernel(gpus: int):
+            return dev.scheduler_call("POST", "/api/v1/kernels", {
+                "kernel_id": uuid.uuid4().hex[:10], "key": "k", "gpus": gpus, "replicas": 1})
+
+        status, body = new_kernel(8)
+        assert status == 400 and "at most 2 GPU(s), not 8" in body["error"]
+        status, first = new_kernel(1)
+        assert status == 201, first
+        status, body = new_kernel(0)
+        assert status == 403 and "the most one user may have at once (user_max_kernels)" in body["error"]
+        assert dev.scheduler_call("DELETE", f"/api/v1/kernels/{first['kernel_id']}")[0] == 200
+        assert new_kernel(0)[0] == 201  # one shut down: room for the next
+    finally:
+        dev.stop()

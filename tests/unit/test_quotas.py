@@ -169,7 +169,7 @@ def render_scheduler_toml(tmp_path, **quotas):
     env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).strip().lower() in ("1", "on", "true", "yes")
     text = env.from_string((role / "templates" / "scheduler.toml.j2").read_text()).render(
         ansible_managed="Ansible managed", gpuhub_hub_address="10.0.0.2", gpuhub_hub_api_port=8081,
-        gpuhub_scheduler_port=8600, gpuhub_tls=True, **values)
+        gpuhub_scheduler_port=8600, gpuhub_tls=True, gpuhub_profiles=[{"gpus": 0}, {"gpus": 4}], **values)
     out = tmp_path / "scheduler.toml"
     out.write_text(text)
     return out

@@ -105,3 +105,30 @@ async def test_a_kernel_id_is_taken_from_the_first_request_on(tmp_path, monkeypa
     first, again = await asyncio.gather(alice, retry)
     assert first is again and first.user == "alice" and len(started) == 3  # placed once
     assert s.kernels["k1"].key == "key"
+
+
+def test_a_users_kernels_and_their_gpus_are_limited_kernels_being_created_included(tmp_path):
+    from gpuhub.scheduler.service import UserLimitExceeded
+
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), kernel_max_gpus=4, user_max_kernels=3,
+                                  user_max_placed_gpus=5), agent_token="t")
+    s.check_user_limits("alice", 4)
+    with pytest.raises(ValueError, match="at most 4 GPU"):
+        s.check_user_limits("alice", 8)
+    s.kernels["k1"] = KernelRecord(kernel_id="k1", user="alice", gpus=2)
+    s.kernels["b1"] = KernelRecord(kernel_id="b1", user="bob", gpus=4)  # bob's count for bob only
+    s._creating["k2"] = ("alice", 2, None)  # still being placed: counts already
+    s.check_user_limits("alice", 1)
+    with pytest.raises(UserLimitExceeded, match=r"alice's kernels have 4 GPU\(s\); 2 more would pass the 5"):
+        s.check_user_limits("alice", 2)
+    s.kernels["k3"] = KernelRecord(kernel_id="k3", user="alice", gpus=0)
+    with pytest.raises(UserLimitExceeded, match=r"alice has 3 kernel\(s\), the most one user may have"):
+        s.check_user_limits("alice", 0)
+    s.check_user_limits("bob", 1)
+
+
+def test_no_user_limit_by_default(tmp_path):
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path)), agent_token="t")
+    for i in range(50):
+        s.kernels[f"k{i}"] = KernelRecord(kernel_id=f"k{i}", user="alice", gpus=8)
+    s.check_user_limits("alice", 64)
