@@ -19,7 +19,7 @@ from gpuhub.platform.http_server import (
     JsonHandler,
     api_settings,
     bearer_token,
-    tokens_equal,
+    token_matches,
 )
 from gpuhub.platform.schema import Body, invalid
 
@@ -42,7 +42,7 @@ class AgentHandler(JsonHandler):
             self.unit = self.agent.unit_for_lease_token(token)
             if self.unit is None:
                 raise ApiError(401, "missing or invalid lease token")
-        elif not tokens_equal(token, self.token):
+        elif not token_matches(token, self.token):
             raise ApiError(401, "missing or invalid token")
 
 

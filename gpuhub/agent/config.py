@@ -24,7 +24,8 @@ class AgentConfig(HttpLimits, TlsSettings):
     kernel_ip = Unicode("127.0.0.1", config=True,
                         help="Address kernel units listen on (their ZMQ, Raft and blob ports).")
     token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
-                         help="File with the token callers of this agent's API present (mode 0600).")
+                         help="File with the token callers of this agent's API present, or sha256:<its hex "
+                              "digest> (what the roles install: the host never holds the token; mode 0600).")
     scheduler_url = Unicode(config=True, help="gpuhub-scheduler's URL to heartbeat to; empty: no heartbeats.")
     scheduler_token_file = Unicode("/etc/gpuhub/secrets/scheduler.token", config=True,
                                    help="File with the scheduler's token, read only when scheduler_url is set.")

@@ -10,6 +10,7 @@ a chunked one passes it. The server side limits (header size, header and body ti
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -45,6 +46,21 @@ def bearer_token(handler: RequestHandler) -> str | None:
 
 def tokens_equal(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+HASHED_PREFIX = "sha256:"
+
+
+def token_matches(presented: str | None, stored: str) -> bool:
+    """Whether ``presented`` is the token a daemon's token file holds: the token itself, or
+    ``sha256:<hex digest of it>``. A host that only checks a token keeps the hash: its root cannot
+    read the token there and present it to the other hosts that accept it."""
+    if presented is None:
+        return False
+    if stored.startswith(HASHED_PREFIX):
+        digest = hashlib.sha256(presented.encode()).hexdigest()
+        return hmac.compare_digest(digest.encode(), stored[len(HASHED_PREFIX):].lower().encode())
+    return tokens_equal(presented, stored)
 
 
 MAX_BODY_BYTES = 1 << 20

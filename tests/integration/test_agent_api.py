@@ -44,6 +44,25 @@ def test_token_required(make_agent):
     assert status == 401 and "lease token" in body["error"]
 
 
+def test_an_agent_that_keeps_only_the_tokens_hash_takes_the_token_and_not_the_hash(tmp_path):
+    """The roles give every server ``sha256:<digest>`` of the agent token: what root there can read
+    is no token any agent takes."""
+    import hashlib
+
+    from gpuhub.dev.cluster import AgentProcess
+
+    a = AgentProcess(tmp_path, "node1", 0)
+    stored = "sha256:" + hashlib.sha256(a.token.encode()).hexdigest()
+    (a.dir / "secrets" / "agent.token").write_text(stored + "\n")
+    a.start()  # waits for an answer to a request with the token itself
+    try:
+        assert a.call("GET", "/api/v1/node")[0] == 200
+        for wrong in (stored, stored.removeprefix("sha256:"), a.token + "x"):
+            assert a.call("GET", "/api/v1/node", token=wrong)[0] == 401
+    finally:
+        a.close()
+
+
 def test_admin_token_is_not_a_lease_token(make_agent):
     a = make_agent(gpus=1)
     assert a.call("POST", "/api/v1/leases", {"gpus": 1})[0] == 401
