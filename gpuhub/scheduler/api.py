@@ -22,6 +22,7 @@ from gpuhub.platform.schema import Body, invalid
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.metrics import scheduler_registry
 from gpuhub.scheduler.migration import NoMigrationTarget
+from gpuhub.scheduler.node_tokens import NodeTokens
 from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import Scheduler
 
@@ -29,23 +30,31 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHandler(JsonHandler):
-    """``callers``: "admin" (the scheduler token: agents, admins, Prometheus) and/or "user" (a
-    JupyterHub token, whose user is ``self.user``)."""
+    """``callers``: "admin" (the scheduler token: admins, Prometheus, agents without a token of
+    their own), "node" (a server's own token, gpuhub/scheduler/node_tokens.py: that server is
+    ``self.node``) and/or "user" (a JupyterHub token, whose user is ``self.user``)."""
 
     callers = ("admin",)
     #: A user's token must carry the hub's kernel scope (gpuhub/scheduler/auth.py) here.
     needs_kernel_scope = False
 
-    def initialize(self, scheduler: Scheduler, token: str, users: HubUserResolver) -> None:
+    def initialize(self, scheduler: Scheduler, token: str, users: HubUserResolver,
+                   nodes: NodeTokens | None = None) -> None:
         self.scheduler = scheduler
         self.token = token
         self.users = users
+        self.nodes = nodes
         self.admin = False
         self.user: str | None = None
+        self.node: str | None = None
 
     async def authenticate(self) -> None:
         token = bearer_token(self)
         self.admin = "admin" in self.callers and tokens_equal(token, self.token)
+        if not self.admin and "node" in self.callers and self.nodes is not None:
+            self.node = self.nodes.node_for(token)
+            if self.node is not None:
+                return
         if not self.admin and "user" in self.callers and token:
             try:
                 hub_user = await self.users.user_for(token)
@@ -62,6 +71,11 @@ class SchedulerHandler(JsonHandler):
     def is_admin(self) -> bool:
         return self.admin
 
+    def require_node(self, node: object) -> None:
+        """A server's token speaks for that server only: 403 when the request names another."""
+        if self.node is not None and node != self.node:
+            raise ApiError(403, f"the token of server {self.node} cannot speak for {node!r}")
+
     def require_user(self) -> str:
         """The caller's user name; 401 for the admin token, which is no user's."""
         if self.user is None:
@@ -70,9 +84,13 @@ class SchedulerHandler(JsonHandler):
 
 
 class HeartbeatHandler(SchedulerHandler):
+    callers = ("admin", "node")
+
     def post(self) -> None:
+        body = self.json_body()
+        self.require_node(body.get("node") if isinstance(body, dict) else None)
         try:
-            answer = self.scheduler.heartbeat(self.json_body())
+            answer = self.scheduler.heartbeat(body)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         self.write_json(answer)
@@ -188,10 +206,13 @@ class MigrateRequest(Body):
 
 
 class KernelMigrateHandler(SchedulerHandler):
+    callers = ("admin", "node")
+
     async def post(self, kernel_id: str) -> None:
         """A cell of the kernel waits for a GPU that none of its servers can grant: move a replica
         (202 and the target), or 409 and why not (the cell keeps waiting)."""
         body = self.parse_body(MigrateRequest)
+        self.require_node(body.node)
         try:
             answer = await self.scheduler.migrate(kernel_id, body.node)
         except KeyError:
@@ -253,8 +274,9 @@ class MetricsHandler(SchedulerHandler):
         self.finish(generate_latest(scheduler_registry(self.scheduler)))
 
 
-def make_app(scheduler: Scheduler, token: str, users: HubUserResolver) -> Application:
-    args = {"scheduler": scheduler, "token": token, "users": users}
+def make_app(scheduler: Scheduler, token: str, users: HubUserResolver,
+             nodes: NodeTokens | None = None) -> Application:
+    args = {"scheduler": scheduler, "token": token, "users": users, "nodes": nodes}
     return Application([
         (r"/api/v1/nodes/heartbeat", HeartbeatHandler, args),
         (r"/api/v1/nodes", NodesHandler, args),

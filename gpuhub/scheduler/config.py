@@ -17,6 +17,10 @@ class SchedulerConfig(HttpLimits, TlsSettings):
                          help="File with the token agents and admins present to the scheduler (mode 0600).")
     agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
                                help="File with the token the scheduler presents to the agents (mode 0600).")
+    node_token_dir = Unicode("", config=True,
+                             help="Directory of the servers' own tokens, <node>.token each (0600): a server's "
+                                  "agent may heartbeat and ask for migrations with it, for itself only; "
+                                  "empty: agents use the scheduler token.")
     hub_api_url = Unicode("http://127.0.0.1:8081/hub/api", config=True,
                           help="JupyterHub's API, which tells whose a user token is.")
     hub_kernel_scope = Unicode("custom:gpuhub:kernels", config=True,

@@ -13,6 +13,7 @@ from gpuhub.platform.daemon import Daemon
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.config import SchedulerConfig
+from gpuhub.scheduler.node_tokens import NodeTokens
 from gpuhub.scheduler.pool_loop import pool_loop
 from gpuhub.scheduler.quotas import QuotaConfigError
 from gpuhub.scheduler.service import Scheduler
@@ -59,6 +60,7 @@ class SchedulerDaemon(Daemon):
             self.scheduler = Scheduler(self.settings, self.secrets["agent"])
         except (QuotaConfigError, ValueError) as exc:  # quotas, pool settings: the message names the key
             raise ConfigError(f"{self.config_file}: {exc}") from None
+        self.node_tokens = NodeTokens(self.settings.node_token_dir) if self.settings.node_token_dir else None
 
     async def prepare(self) -> None:
         self.scheduler.load()
@@ -66,7 +68,7 @@ class SchedulerDaemon(Daemon):
     def make_web_app(self):
         users = HubUserResolver(self.settings.hub_api_url, self.settings.static_user_tokens,
                                 kernel_scope=self.settings.hub_kernel_scope)
-        return make_app(self.scheduler, self.secrets["scheduler"], users)
+        return make_app(self.scheduler, self.secrets["scheduler"], users, self.node_tokens)
 
     def listening_message(self) -> str:
         return (f"{super().listening_message()} "
