@@ -8,3 +8,13 @@
   ``blobclient`` (push to / fetch from peers), ``blobwire`` (the authenticated protocol between
   the two).
 """
+
+import _socket
+import socket as _socket_module
+
+import pysyncobj.tcp_connection  # noqa: F401  (imports pysyncobj.win_inet_pton)
+
+# pysyncobj.win_inet_pton replaces socket.inet_ntop on every OS with a Windows-only version, which
+# fails on Linux: user code in a kernel (psutil.net_connections, say) would fail where a plain
+# ipykernel works. Put the real one back, whichever pysyncobj import came first.
+_socket_module.inet_ntop = _socket.inet_ntop

@@ -139,6 +139,15 @@ def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
     assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)
 
 
+def test_the_socket_module_is_the_pythons_own(kernel):
+    """pysyncobj swaps socket.inet_ntop for a Windows-only one when imported: user code (psutil's
+    net_connections among it) must still get the one a plain ipykernel has."""
+    cell = "import socket; print(socket.inet_ntop(socket.AF_INET6, bytes(15) + b'\\x01'))"
+    reply, out = run(kernel.kc, cell)
+    assert reply["status"] == "ok", reply
+    assert out["stdout"] == plain_outputs([cell])[0] == "::1\n"
+
+
 def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
     """A replica the router skipped (stopped for a while) must not run a cell on its old
     namespace: here it becomes the only replica with a free GPU, so it executes next."""
