@@ -89,34 +89,53 @@ def test_not_a_url():
     assert exc.value.status == 0
 
 
+class CountingHandler(Handler):
+    """Counts the connections open to its server (a closed keep-alive connection ends ``handle``)."""
+
+    open_connections: ClassVar[dict[int, int]] = {}
+    lock = threading.Lock()
+
+    def setup(self) -> None:
+        super().setup()
+        with self.lock:
+            port = self.server.server_address[1]
+            CountingHandler.open_connections[port] = CountingHandler.open_connections.get(port, 0) + 1
+
+    def finish(self) -> None:
+        super().finish()
+        with self.lock:
+            CountingHandler.open_connections[self.server.server_address[1]] -= 1
+
+
 def test_connections_are_kept_for_the_hosts_used_last_only():
     """A host beyond ``max_hosts`` (a server that left the cluster) loses its kept connection, which
     would otherwise stay open, half-closed, for the life of the process."""
-    import psutil
+    from tests.helpers import wait_for
 
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(3)]
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), CountingHandler) for _ in range(3)]
     for httpd in servers:
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
     ports = [httpd.server_address[1] for httpd in servers]
     urls = [f"http://127.0.0.1:{port}/ok" for port in ports]
 
-    def kept() -> list[int]:
-        """Which of the servers this process holds a connection to."""
-        peers = {c.raddr.port for c in psutil.Process().net_connections("tcp") if c.raddr}
-        return [i for i, port in enumerate(ports) if port in peers]
+    def kept(expected: list[int]) -> None:
+        """Wait until exactly the servers ``expected`` (indexes) have a connection from the client."""
+        wait_for(lambda: [i for i, p in enumerate(ports) if CountingHandler.open_connections.get(p)] == expected,
+                 10, f"connections to servers {expected} only")
 
     http = HttpClient(max_hosts=2)
     try:
         for url in urls[:2]:
             http.call_json("GET", url, "tok")
-        assert kept() == [0, 1]
+        kept([0, 1])
         http.call_json("GET", urls[0], "tok")  # the first is used last now: the second goes next
         http.call_json("GET", urls[2], "tok")
-        assert kept() == [0, 2] and http.connections_opened == 3
+        kept([0, 2])
+        assert http.connections_opened == 3
         http.call_json("GET", urls[0], "tok")  # still kept: no new connection
         assert http.connections_opened == 3
         http.discard(urls[0])
-        assert kept() == [2]
+        kept([2])
     finally:
         http.close()
         for httpd in servers:
