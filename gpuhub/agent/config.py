@@ -7,7 +7,7 @@ import os
 from traitlets import Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
 
 from gpuhub.platform.http_server import HttpLimits
-from gpuhub.platform.tls import TlsSettings
+from gpuhub.platform.tls import TlsSettings, api_scheme
 
 
 class AgentConfig(HttpLimits, TlsSettings):
@@ -54,8 +54,7 @@ class AgentConfig(HttpLimits, TlsSettings):
         super().__init__(**kwargs)
         # Empty (unset, or "" in the file): derived once, from the final kernel_ip and port.
         if not self.advertise_url:
-            scheme = "https" if self.tls_cert_file else "http"
-            self.advertise_url = f"{scheme}://{self.kernel_ip}:{self.port}"
+            self.advertise_url = f"{api_scheme(self.tls_cert_file)}://{self.kernel_ip}:{self.port}"
 
     @default("node_name")
     def _default_node_name(self) -> str:

@@ -27,6 +27,7 @@ import tomli_w
 
 from gpuhub.dev.portblocks import reserve_block
 from gpuhub.platform.http_client import ApiClientError, call_json, call_json_sync, default_client
+from gpuhub.platform.tls import api_scheme
 
 
 def free_port() -> int:
@@ -41,7 +42,7 @@ class AgentProcess:
         The agent hands out kernel ports from a block it owns until ``close`` (gpuhub.dev.portblocks)."""
         self.name = name
         self.port = free_port()
-        self.url = f"{_scheme(extra)}://127.0.0.1:{self.port}"
+        self.url = f"{api_scheme((extra or {}).get('tls_cert_file', ''))}://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.dir = tmp / name
         (self.dir / "secrets").mkdir(parents=True)
@@ -183,11 +184,6 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def _scheme(settings: dict | None) -> str:
-    """A daemon given a certificate serves https (gpuhub.platform.tls)."""
-    return "https" if (settings or {}).get("tls_cert_file") else "http"
-
-
 def _wait_answering(proc: subprocess.Popen, log: Path, what: str, probe, timeout_s: float) -> None:
     """Return once ``probe()`` (a request to the daemon's API) succeeds; RuntimeError with the
     daemon's log if it died, or if it did not answer within ``timeout_s``."""
@@ -207,7 +203,7 @@ class SchedulerProcess:
     def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
                  replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
         self.port = free_port()
-        self.url = f"{_scheme(settings)}://127.0.0.1:{self.port}"
+        self.url = f"{api_scheme((settings or {}).get('tls_cert_file', ''))}://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.dir = tmp / "scheduler"
         (self.dir / "secrets").mkdir(parents=True)

@@ -27,7 +27,7 @@ from traitlets.config.loader import KVArgParseConfigLoader
 
 from gpuhub.platform.config import ConfigError, load_config_file, make_settings, read_secret
 from gpuhub.platform.http_server import LogLimiter, server_limits
-from gpuhub.platform.tls import server_context
+from gpuhub.platform.tls import api_scheme, server_context
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -167,7 +167,7 @@ class Daemon(Application):
         return []
 
     def listening_message(self) -> str:
-        scheme = "https" if self.tls_context else "http"
+        scheme = api_scheme(self.settings.tls_cert_file)
         return f"{self.name} listening on {scheme}://{self.settings.listen_address}:{self.settings.port}"
 
     def on_stop(self) -> None:

@@ -26,6 +26,11 @@ class TlsSettings(Configurable):
                            help="PEM private key of tls_cert_file (readable by the daemon only).")
 
 
+def api_scheme(tls_cert_file: str) -> str:
+    """The scheme of a daemon's API URLs: https once it has a certificate."""
+    return "https" if tls_cert_file else "http"
+
+
 def server_context(settings: TlsSettings) -> ssl.SSLContext | None:
     """The context for tornado's ``ssl_options``, or None for plain HTTP. ConfigError (the daemon
     exits 2 naming the setting) when only one file is given or they cannot be loaded as a pair."""
@@ -57,5 +62,4 @@ def local_api_url(settings: TlsSettings) -> str:
         host = "127.0.0.1"
     elif ":" in host:
         host = f"[{host}]"
-    scheme = "https" if settings.tls_cert_file else "http"
-    return f"{scheme}://{host}:{settings.port}"
+    return f"{api_scheme(settings.tls_cert_file)}://{host}:{settings.port}"
