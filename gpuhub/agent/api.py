@@ -25,15 +25,18 @@ from gpuhub.platform.schema import Body, invalid
 
 
 class AgentHandler(JsonHandler):
-    """``callers``: "admin" (the agent token: scheduler, hub, Prometheus) or "unit" (a kernel's
-    per-unit lease token, which allows leases for that unit only; the unit is ``self.unit``)."""
+    """``callers``: "admin" (this agent's token: the scheduler, the hub), "metrics" (the metrics
+    token: Prometheus) or "unit" (a kernel's per-unit lease token, which allows leases for that unit
+    only; the unit is ``self.unit``)."""
 
     callers = ("admin",)
 
-    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None) -> None:
+    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None,
+                   metrics_token: str | None = None) -> None:
         self.agent = agent
         self.token = token
         self.scheduler_token = scheduler_token
+        self.metrics_token = metrics_token
         self.unit = None
 
     async def authenticate(self) -> None:
@@ -42,7 +45,8 @@ class AgentHandler(JsonHandler):
             self.unit = self.agent.unit_for_lease_token(token)
             if self.unit is None:
                 raise ApiError(401, "missing or invalid lease token")
-        elif not token_matches(token, self.token):
+        elif not (token_matches(token, self.token) or (
+                "metrics" in self.callers and self.metrics_token and token_matches(token, self.metrics_token))):
             raise ApiError(401, "missing or invalid token")
 
 
@@ -309,8 +313,11 @@ class QuotaViewHandler(AgentHandler):
 
 
 class MetricsHandler(AgentHandler):
-    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None) -> None:
-        super().initialize(agent, token, scheduler_token)
+    callers = ("admin", "metrics")
+
+    def initialize(self, agent: Agent, token: str, scheduler_token: str | None = None,
+                   metrics_token: str | None = None) -> None:
+        super().initialize(agent, token, scheduler_token, metrics_token)
         self.registry = agent_registry(agent)
 
     def get(self) -> None:
@@ -318,8 +325,9 @@ class MetricsHandler(AgentHandler):
         self.finish(generate_latest(self.registry))
 
 
-def make_app(agent: Agent, token: str, scheduler_token: str | None = None) -> Application:
-    args = {"agent": agent, "token": token, "scheduler_token": scheduler_token}
+def make_app(agent: Agent, token: str, scheduler_token: str | None = None,
+             metrics_token: str | None = None) -> Application:
+    args = {"agent": agent, "token": token, "scheduler_token": scheduler_token, "metrics_token": metrics_token}
     return Application(
         [
             (r"/api/v1/node", NodeHandler, args),

@@ -6,11 +6,11 @@ import os
 
 from traitlets import Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
 
-from gpuhub.platform.http_server import HttpLimits
+from gpuhub.platform.http_server import HttpLimits, MetricsAccess
 from gpuhub.platform.tls import TlsSettings, api_scheme
 
 
-class AgentConfig(HttpLimits, TlsSettings):
+class AgentConfig(HttpLimits, MetricsAccess, TlsSettings):
     """The agent's settings; in the TOML file as top-level keys."""
 
     node_name = Unicode(config=True, help="This node's name in the scheduler's books (default: the host name).")

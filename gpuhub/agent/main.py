@@ -72,7 +72,7 @@ class AgentDaemon(Daemon):
         await self.agent.recover()
 
     def make_web_app(self):
-        return make_app(self.agent, self.secrets["agent"], self.secrets.get("scheduler"))
+        return make_app(self.agent, self.secrets["agent"], self.secrets.get("scheduler"), self.secrets.get("metrics"))
 
     def listening_message(self) -> str:
         a = self.agent

@@ -30,6 +30,12 @@ from gpuhub.platform.http_client import ApiClientError, call_json, call_json_syn
 from gpuhub.platform.tls import api_scheme
 
 
+def write_secret(path: Path, value: str) -> None:
+    """A token file as the daemons want it: the owner's alone."""
+    path.write_text(value)
+    path.chmod(0o600)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,8 +53,7 @@ class AgentProcess:
         self.dir = tmp / name
         (self.dir / "secrets").mkdir(parents=True)
         token_file = self.dir / "secrets" / "agent.token"
-        token_file.write_text(self.token)
-        token_file.chmod(0o600)
+        write_secret(token_file, self.token)
         self.ports = reserve_block()
         settings = {
             "node_name": name, "listen_address": "127.0.0.1", "port": self.port, "kernel_ip": "127.0.0.1",
@@ -200,26 +205,36 @@ def _wait_answering(proc: subprocess.Popen, log: Path, what: str, probe, timeout
 
 
 class SchedulerProcess:
-    def __init__(self, tmp: Path, agent_token: str, user_tokens: dict[str, str], node_timeout_s: float = 10,
-                 replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
+    def __init__(self, tmp: Path, agent_token: str | dict[str, str], user_tokens: dict[str, str],
+                 node_timeout_s: float = 10, replica_dead_grace_s: float = 10, settings: dict | None = None) -> None:
+        """``agent_token``: one token for every agent, or each agent's own ({node: token}, as the
+        roles deploy them; more with ``add_agent_token``)."""
         self.port = free_port()
         self.url = f"{api_scheme((settings or {}).get('tls_cert_file', ''))}://127.0.0.1:{self.port}"
         self.token = secrets.token_urlsafe(24)
         self.dir = tmp / "scheduler"
         (self.dir / "secrets").mkdir(parents=True)
-        for name, value in (("scheduler.token", self.token), ("agent.token", agent_token)):
-            p = self.dir / "secrets" / name
-            p.write_text(value)
-            p.chmod(0o600)
+        write_secret(self.dir / "secrets" / "scheduler.token", self.token)
+        if isinstance(agent_token, str):
+            write_secret(self.dir / "secrets" / "agent.token", agent_token)
+            agents = {"agent_token_file": str(self.dir / "secrets" / "agent.token")}
+        else:
+            (self.dir / "secrets" / "agents").mkdir()
+            agents = {"agent_token_dir": str(self.dir / "secrets" / "agents")}
+            for node, token in agent_token.items():
+                self.add_agent_token(node, token)
         self.config = self.dir / "scheduler.toml"
         self.config.write_text(tomli_w.dumps({
             "listen_address": "127.0.0.1", "port": self.port,
-            "token_file": str(self.dir / "secrets" / "scheduler.token"),
-            "agent_token_file": str(self.dir / "secrets" / "agent.token"),
+            "token_file": str(self.dir / "secrets" / "scheduler.token"), **agents,
             "state_dir": str(self.dir / "state"), "node_timeout_s": float(node_timeout_s), "hub_api_url": "",
             "replica_dead_grace_s": float(replica_dead_grace_s), "static_user_tokens": dict(user_tokens),
             **(settings or {}),
         }))
+
+    def add_agent_token(self, node: str, token: str) -> None:
+        """The scheduler's copy of ``node``'s agent token (read at each call: no restart)."""
+        write_secret(self.dir / "secrets" / "agents" / f"{node}.token", token)
 
     def start(self) -> SchedulerProcess:
         with open(self.dir / "scheduler.log", "ab") as log:  # the child keeps its own descriptor
@@ -243,7 +258,10 @@ class SchedulerProcess:
 
 
 class DevCluster:
-    """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1."""
+    """A scheduler and ``nodes`` agents with fake GPUs heartbeating to it, all on 127.0.0.1.
+
+    Tokens as the roles deploy them: each agent has its own (the scheduler a copy of each), and
+    ``metrics_token`` opens every daemon's /metrics (Prometheus' token)."""
 
     def __init__(self, tmp: Path, nodes: int = 3, gpus_per_node: int = 2, user_token: str | None = None,
                  node_timeout_s: float = 10, replica_dead_grace_s: float = 10,
@@ -258,25 +276,25 @@ class DevCluster:
         self.gpus_per_node = gpus_per_node
         self.node_timeout_s = node_timeout_s  # no heartbeat this long: the scheduler counts the node lost
         self.replica_dead_grace_s = replica_dead_grace_s  # a replica's unit dead this long is replaced
-        self.agent_token = secrets.token_urlsafe(24)
+        self.metrics_token = secrets.token_urlsafe(24)
         self.user_token = user_token or secrets.token_urlsafe(24)
         self.scheduler: SchedulerProcess | None = None
         self.agents: list[AgentProcess] = []
 
     def start(self, timeout_s: float = 30) -> DevCluster:
-        self.scheduler = SchedulerProcess(self.tmp, self.agent_token,
-                                          {self.user_token: current_user(), **self.other_users},
+        metrics_token_file = self.tmp / "metrics.token"
+        write_secret(metrics_token_file, self.metrics_token)
+        self.scheduler = SchedulerProcess(self.tmp, {}, {self.user_token: current_user(), **self.other_users},
                                           self.node_timeout_s, self.replica_dead_grace_s,
-                                          self.scheduler_settings).start()
+                                          {"metrics_token_file": str(metrics_token_file),
+                                           **(self.scheduler_settings or {})}).start()
         for i in range(self.nodes):
             token_file = self.tmp / f"sched-{i}.token"
-            token_file.write_text(self.scheduler.token)
-            token_file.chmod(0o600)
+            write_secret(token_file, self.scheduler.token)
             a = AgentProcess(self.tmp, f"gpu{i + 1}", self.gpus_per_node, extra={
                 "scheduler_url": self.scheduler.url, "scheduler_token_file": str(token_file),
-                "heartbeat_interval_s": 0.5, **self.agent_settings})
-            a.token = self.agent_token
-            (a.dir / "secrets" / "agent.token").write_text(self.agent_token)
+                "metrics_token_file": str(metrics_token_file), "heartbeat_interval_s": 0.5, **self.agent_settings})
+            self.scheduler.add_agent_token(a.name, a.token)
             self.agents.append(a.start())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

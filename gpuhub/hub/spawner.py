@@ -11,12 +11,13 @@ import asyncio
 import hashlib
 import html
 import re
+from collections.abc import Callable
 from urllib.parse import quote, urlparse
 
 from batchspawner import BatchSpawnerBase, JobStatus
 from traitlets import Dict, List, Unicode, default
 
-from gpuhub.platform.config import read_secret
+from gpuhub.platform.config import ConfigError, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.quota_text import usage_line
 
@@ -37,13 +38,14 @@ def kernel_args(profile: dict, others: list[str]) -> list[str]:
             *(f"--KernelSpecManager.allowed_kernelspecs={k}" for k in allowed)]
 
 
-async def least_loaded_agent(urls: list[str], token: str) -> str:
+async def least_loaded_agent(urls: list[str], token_for: Callable[[str], str]) -> str:
     """The notebook host whose agent runs the fewest units now (ties: the first listed); hosts
-    whose agent does not answer are passed over. Raises RuntimeError when none answers."""
+    whose agent does not answer are passed over. ``token_for(url)``: that agent's token. Raises
+    RuntimeError when none answers."""
     async def load(i: int, url: str) -> tuple[int, int, str] | None:
         try:
-            _, node = await call_json("GET", f"{url}/api/v1/node", token, timeout=10)
-        except ApiClientError:
+            _, node = await call_json("GET", f"{url}/api/v1/node", token_for(url), timeout=10)
+        except (ApiClientError, ConfigError):
             return None
         return int(node.get("units") or 0), i, url
 
@@ -72,7 +74,10 @@ class GpuhubSpawner(BatchSpawnerBase):
                       help="Every notebook host's gpuhub-agent: a new server goes to the one running the fewest "
                            "units. Empty: agent_url only.")
     job_agent = Unicode("", help="The agent that runs this server's unit (kept in the spawner's state)")
-    agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True)
+    agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
+                               help="The token of the agents agent_token_files does not list")
+    agent_token_files = Dict(Unicode(), config=True,
+                             help="{agent URL: file of that agent's own token} (each host's agent has its own)")
     venv = Unicode("/opt/gpuhub/venv", config=True)
     profiles = List(Dict(), config=True, help="[{name, display, gpus}] offered on the spawn form")
     server_args = List(Unicode(), config=True, help="Extra arguments for jupyterhub-singleuser")
@@ -143,9 +148,9 @@ class GpuhubSpawner(BatchSpawnerBase):
         raise ValueError(f"unknown profile {wanted!r}; choose one of: {names}")
 
     # --- batchspawner's three verbs, through the agent -------------------------
-    @property
-    def _token(self) -> str:
-        return read_secret(self.agent_token_file, "agent")
+    def _token(self, agent: str) -> str:
+        """The token of the agent at URL ``agent``."""
+        return read_secret(self.agent_token_files.get(agent, self.agent_token_file), f"agent {agent}")
 
     async def submit_batch_script(self):
         profile = self.profile()
@@ -158,7 +163,7 @@ class GpuhubSpawner(BatchSpawnerBase):
         name = unit_name_for(self.user.name, self.name)
         agent = await least_loaded_agent(list(self.agent_urls), self._token) if self.agent_urls else self.agent_url
         try:
-            await call_json("POST", f"{agent}/api/v1/units", self._token, {
+            await call_json("POST", f"{agent}/api/v1/units", self._token(agent), {
                 "name": name, "kind": "server", "user": self.user.name, "argv": argv, "env": env,
             }, timeout=60)
         except ApiClientError as exc:
@@ -173,8 +178,8 @@ class GpuhubSpawner(BatchSpawnerBase):
             self.job_status = ""
             return JobStatus.NOTFOUND
         try:
-            _, unit = await call_json("GET", f"{self._job_agent}/api/v1/units/{self.job_id}", self._token,
-                                      timeout=10)
+            _, unit = await call_json("GET", f"{self._job_agent}/api/v1/units/{self.job_id}",
+                                      self._token(self._job_agent), timeout=10)
             self.job_status = unit.get("state", "")
         except ApiClientError as exc:
             self.job_status = "gone" if exc.status == 404 else "unknown"
@@ -190,7 +195,8 @@ class GpuhubSpawner(BatchSpawnerBase):
         if not self.job_id:
             return
         try:
-            await call_json("DELETE", f"{self._job_agent}/api/v1/units/{self.job_id}", self._token, timeout=30)
+            await call_json("DELETE", f"{self._job_agent}/api/v1/units/{self.job_id}", self._token(self._job_agent),
+                            timeout=30)
         except ApiClientError as exc:
             self.log.warning("stopping %s failed: %s", self.job_id, exc)
 

@@ -150,7 +150,8 @@ class Daemon(Application):
 
     # --- hooks ------------------------------------------------------------------------
     def secret_files(self) -> dict[str, str]:
-        """Token files to read, ``{what: path}``; they land in ``self.secrets`` under the same keys."""
+        """Token files to read, ``{what: path}``; they land in ``self.secrets`` under the same keys
+        (and ``metrics_token_file``, when the settings name one, under "metrics")."""
         return {}
 
     def init_service(self) -> None:
@@ -200,7 +201,10 @@ class Daemon(Application):
         self.update_config(config)
         source = f"{self.config_file} or the command line" if cli else self.config_file
         self.settings = make_settings(self.settings_class, self.config, source, parent=self)
-        self.secrets = {what: read_secret(path, what) for what, path in self.secret_files().items()}
+        files = self.secret_files()
+        if getattr(self.settings, "metrics_token_file", ""):
+            files["metrics"] = self.settings.metrics_token_file
+        self.secrets = {what: read_secret(path, what) for what, path in files.items()}
         self.tls_context = server_context(self.settings)
         self.init_service()
 

@@ -18,7 +18,7 @@ import time
 from typing import Any, ClassVar, TypeVar
 
 from tornado.web import HTTPError, RequestHandler, stream_request_body
-from traitlets import Float, Int
+from traitlets import Float, Int, Unicode
 from traitlets.config import Configurable
 
 from gpuhub.platform.schema import Body, BodyError, parse
@@ -65,6 +65,15 @@ def token_matches(presented: str | None, stored: str) -> bool:
 
 MAX_BODY_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 10
+
+
+class MetricsAccess(Configurable):
+    """A token for GET /metrics only; a base of the daemons' settings. Prometheus holds it instead of
+    a token that can also start units or kernels."""
+
+    metrics_token_file = Unicode("", config=True,
+                                 help="File with a token good for GET /metrics only (Prometheus), or sha256:<its "
+                                      "hex digest>; empty: /metrics takes the admin token only.")
 
 
 class HttpLimits(Configurable):

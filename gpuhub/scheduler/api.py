@@ -16,6 +16,7 @@ from gpuhub.platform.http_server import (
     JsonHandler,
     api_settings,
     bearer_token,
+    token_matches,
     tokens_equal,
 )
 from gpuhub.platform.schema import Body, invalid
@@ -30,20 +31,22 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHandler(JsonHandler):
-    """``callers``: "admin" (the scheduler token: admins, Prometheus, agents without a token of
-    their own), "node" (a server's own token, gpuhub/scheduler/node_tokens.py: that server is
-    ``self.node``) and/or "user" (a JupyterHub token, whose user is ``self.user``)."""
+    """``callers``: "admin" (the scheduler token: admins, agents without a token of their own),
+    "metrics" (the metrics token: Prometheus), "node" (a server's own token,
+    gpuhub/scheduler/node_tokens.py: that server is ``self.node``) and/or "user" (a JupyterHub token,
+    whose user is ``self.user``)."""
 
     callers = ("admin",)
     #: A user's token must carry the hub's kernel scope (gpuhub/scheduler/auth.py) here.
     needs_kernel_scope = False
 
     def initialize(self, scheduler: Scheduler, token: str, users: HubUserResolver,
-                   nodes: NodeTokens | None = None) -> None:
+                   nodes: NodeTokens | None = None, metrics_token: str | None = None) -> None:
         self.scheduler = scheduler
         self.token = token
         self.users = users
         self.nodes = nodes
+        self.metrics_token = metrics_token
         self.admin = False
         self.user: str | None = None
         self.node: str | None = None
@@ -51,6 +54,9 @@ class SchedulerHandler(JsonHandler):
     async def authenticate(self) -> None:
         token = bearer_token(self)
         self.admin = "admin" in self.callers and tokens_equal(token, self.token)
+        if not self.admin and "metrics" in self.callers and self.metrics_token \
+                and token_matches(token, self.metrics_token):
+            return
         if not self.admin and "node" in self.callers and self.nodes is not None:
             self.node = self.nodes.node_for(token)
             if self.node is not None:
@@ -269,14 +275,16 @@ class QuotaExtraHandler(SchedulerHandler):
 
 
 class MetricsHandler(SchedulerHandler):
+    callers = ("admin", "metrics")
+
     def get(self) -> None:
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(generate_latest(scheduler_registry(self.scheduler)))
 
 
 def make_app(scheduler: Scheduler, token: str, users: HubUserResolver,
-             nodes: NodeTokens | None = None) -> Application:
-    args = {"scheduler": scheduler, "token": token, "users": users, "nodes": nodes}
+             nodes: NodeTokens | None = None, metrics_token: str | None = None) -> Application:
+    args = {"scheduler": scheduler, "token": token, "users": users, "nodes": nodes, "metrics_token": metrics_token}
     return Application([
         (r"/api/v1/nodes/heartbeat", HeartbeatHandler, args),
         (r"/api/v1/nodes", NodesHandler, args),

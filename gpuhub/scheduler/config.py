@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from traitlets import Bool, Dict, Float, Int, TraitError, Unicode, validate
 
-from gpuhub.platform.http_server import HttpLimits
+from gpuhub.platform.http_server import HttpLimits, MetricsAccess
 from gpuhub.platform.tls import TlsSettings
 
 
-class SchedulerConfig(HttpLimits, TlsSettings):
+class SchedulerConfig(HttpLimits, MetricsAccess, TlsSettings):
     """The scheduler's settings; in the TOML file as top-level keys."""
 
     listen_address = Unicode("127.0.0.1", config=True, help="Address the scheduler's HTTP API listens on.")
@@ -16,7 +16,11 @@ class SchedulerConfig(HttpLimits, TlsSettings):
     token_file = Unicode("/etc/gpuhub/secrets/scheduler.token", config=True,
                          help="File with the token agents and admins present to the scheduler (mode 0600).")
     agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
-                               help="File with the token the scheduler presents to the agents (mode 0600).")
+                               help="File with the one token the scheduler presents to every agent (mode 0600); "
+                                    "not read when agent_token_dir is set.")
+    agent_token_dir = Unicode("", config=True,
+                              help="Directory of each agent's own token, <node>.token each (0600), read at each "
+                                   "call; empty: agent_token_file for every agent.")
     node_token_dir = Unicode("", config=True,
                              help="Directory of the servers' own tokens, <node>.token each (0600): a server's "
                                   "agent may heartbeat and ask for migrations with it, for itself only; "

@@ -13,7 +13,7 @@ from gpuhub.platform.daemon import Daemon
 from gpuhub.scheduler.api import make_app
 from gpuhub.scheduler.auth import HubUserResolver
 from gpuhub.scheduler.config import SchedulerConfig
-from gpuhub.scheduler.node_tokens import NodeTokens
+from gpuhub.scheduler.node_tokens import AgentTokens, NodeTokens
 from gpuhub.scheduler.pool_loop import pool_loop
 from gpuhub.scheduler.quotas import QuotaConfigError
 from gpuhub.scheduler.service import Scheduler
@@ -53,11 +53,15 @@ class SchedulerDaemon(Daemon):
     stop_message = "stopping; kernels keep running"
 
     def secret_files(self) -> dict[str, str]:
-        return {"scheduler": self.settings.token_file, "agent": self.settings.agent_token_file}
+        files = {"scheduler": self.settings.token_file}
+        if not self.settings.agent_token_dir:
+            files["agent"] = self.settings.agent_token_file
+        return files
 
     def init_service(self) -> None:
+        agents = AgentTokens(self.secrets.get("agent", ""), self.settings.agent_token_dir)
         try:
-            self.scheduler = Scheduler(self.settings, self.secrets["agent"])
+            self.scheduler = Scheduler(self.settings, agents)
         except (QuotaConfigError, ValueError) as exc:  # quotas, pool settings: the message names the key
             raise ConfigError(f"{self.config_file}: {exc}") from None
         self.node_tokens = NodeTokens(self.settings.node_token_dir) if self.settings.node_token_dir else None
@@ -68,7 +72,7 @@ class SchedulerDaemon(Daemon):
     def make_web_app(self):
         users = HubUserResolver(self.settings.hub_api_url, self.settings.static_user_tokens,
                                 kernel_scope=self.settings.hub_kernel_scope)
-        return make_app(self.scheduler, self.secrets["scheduler"], users, self.node_tokens)
+        return make_app(self.scheduler, self.secrets["scheduler"], users, self.node_tokens, self.secrets.get("metrics"))
 
     def listening_message(self) -> str:
         return (f"{super().listening_message()} "

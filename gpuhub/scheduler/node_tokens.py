@@ -1,4 +1,6 @@
-"""Each server's own token for what its agent asks of the scheduler (heartbeats, migrations).
+"""The tokens between the scheduler and each server: the server's own token for what its agent
+asks of the scheduler (heartbeats, migrations; ``NodeTokens``), and the token the scheduler presents
+to that server's agent (``AgentTokens``).
 
 The roles give every agent host a token of its own (``/etc/gpuhub/secrets/node.token``) and the
 scheduler a copy of each in ``node_token_dir``, one ``<node>.token`` file per server. A node token
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from pathlib import Path
 
 from gpuhub.platform.config import ConfigError, read_secret
+from gpuhub.scheduler.node_info import NODE_NAME_PATTERN
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +64,30 @@ class NodeTokens:
             except ConfigError as exc:
                 log.error("node token of %s left out: %s", node, exc)
         self._by_digest = tokens
+
+
+class AgentTokens:
+    """The token the scheduler presents to each server's agent.
+
+    The roles give every agent its own token (the agent keeps only its hash) and the scheduler a
+    copy of each in ``directory``, ``<node>.token``: root on one server sees its own agent's token
+    in the scheduler's requests, which opens no other agent. The file is read at each call (they
+    are few: placements, stops, reconciles), so a new server or a rotated token needs no restart.
+    Without a directory every agent gets ``shared`` (one token for all: development clusters).
+    """
+
+    def __init__(self, shared: str = "", directory: str = "") -> None:
+        if not shared and not directory:
+            raise ConfigError("agent tokens: neither agent_token_file nor agent_token_dir is set")
+        self.shared = shared
+        self.directory = Path(directory) if directory else None
+        if self.directory is not None and not self.directory.is_dir():
+            raise ConfigError(f"agent_token_dir: {directory} is not a directory")
+
+    def for_node(self, node: str) -> str:
+        """The token for ``node``'s agent; ConfigError when there is none to present."""
+        if self.directory is None:
+            return self.shared
+        if not re.fullmatch(NODE_NAME_PATTERN, node):
+            raise ConfigError(f"no agent token for {node!r}: not a server name")
+        return read_secret(self.directory / f"{node}{SUFFIX}", f"agent of {node}")

@@ -13,12 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gpuhub.platform.config import ConfigError
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.metrics import kernel_start_histogram, migration_histogram
 from gpuhub.scheduler.migration import Move, NoMigrationTarget, choose_target, plan_move
 from gpuhub.scheduler.node_info import parse_counts, parse_node_info
+from gpuhub.scheduler.node_tokens import AgentTokens
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
 from gpuhub.scheduler.pool_loop import ElasticPool
 from gpuhub.scheduler.quotas import LiveLease, QuotaPolicy, Quotas, UsageLedger
@@ -120,9 +122,10 @@ class KernelRecord:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, agent_token: str) -> None:
+    def __init__(self, config: SchedulerConfig, agent_token: str | AgentTokens) -> None:
+        """``agent_token``: what to present to the agents, one token for all or one per server."""
         self.config = config
-        self.agent_token = agent_token
+        self.agent_tokens = agent_token if isinstance(agent_token, AgentTokens) else AgentTokens(agent_token)
         self.nodes: dict[str, NodeRecord] = {}
         self.kernels: dict[str, KernelRecord] = {}
         self.path = Path(config.state_dir) / "books.json"
@@ -307,7 +310,7 @@ class Scheduler:
         if node is None:
             return None
         try:
-            _, info = await call_json("GET", node.url + "/api/v1/node", self.agent_token, timeout=5)
+            _, info = await self.call_agent(node, "GET", "/api/v1/node", timeout=5)
         except ApiClientError as exc:
             log.debug("server %s did not answer: %s", name, exc)
             return None
@@ -452,7 +455,7 @@ class Scheduler:
             # The user's limits go with the unit: its agent enforces them from the first cell on,
             # not from its next heartbeat (a new kernel per cell must not escape a quota).
             body["quotas"] = self.quotas.node_view(node, {record.user}, time.time(), self.live_leases())
-        _, started = await call_json("POST", self.nodes[node].url + "/api/v1/units", self.agent_token, body)
+        _, started = await self.call_agent(self.nodes[node], "POST", "/api/v1/units", body)
         # Count it now so the next placement sees it before the next heartbeat.
         self.nodes[node].info["pending"] = int(self.nodes[node].info.get("pending", 0)) + record.gpus
         return ReplicaRecord(node, unit, started.get("connection"), id=replica_id,
@@ -475,9 +478,18 @@ class Scheduler:
             node = self.nodes.get(rep.node)
             if node is None:
                 raise ApiClientError(0, f"node {rep.node} is unknown to the scheduler", rep.node)
-            await call_json("PUT", f"{node.url}/api/v1/units/{rep.unit}/peers", self.agent_token, doc)
+            await self.call_agent(node, "PUT", f"/api/v1/units/{rep.unit}/peers", doc)
 
     # --- healing: a replacement for a lost replica (docs/architecture.md, lost replicas) ------------------------------
+    async def call_agent(self, node: NodeRecord, method: str, path: str, body=None, timeout: float = 20.0):
+        """``method path`` on ``node``'s agent with that agent's token: (status, JSON answer).
+        ApiClientError when it fails, also when the scheduler holds no token for that agent."""
+        try:
+            token = self.agent_tokens.for_node(node.name)
+        except ConfigError as exc:
+            raise ApiClientError(0, str(exc), node.url) from None
+        return await call_json(method, node.url + path, token, body, timeout=timeout)
+
     def node_live(self, name: str) -> bool:
         node = self.nodes.get(name)
         return node is not None and self.live(node)
@@ -709,7 +721,7 @@ class Scheduler:
         if node is None:
             return
         try:
-            await call_json("DELETE", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token)
+            await self.call_agent(node, "DELETE", f"/api/v1/units/{rep.unit}")
         except ApiClientError as exc:
             log.warning("could not stop %s on %s: %s", rep.unit, rep.node, exc)
 
@@ -760,7 +772,7 @@ class Scheduler:
             rep.state = "unknown"
             return
         try:
-            _, unit = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}", self.agent_token, timeout=5)
+            _, unit = await self.call_agent(node, "GET", f"/api/v1/units/{rep.unit}", timeout=5)
             error = unit.get("error")
             rep.note_state(unit.get("state", "unknown"), time.time(), error[-4000:] if isinstance(error, str) else None)
         except ApiClientError as exc:
@@ -773,7 +785,7 @@ class Scheduler:
             if not self.live(node):
                 continue
             try:
-                _, body = await call_json("GET", node.url + "/api/v1/units", self.agent_token, timeout=5)
+                _, body = await self.call_agent(node, "GET", "/api/v1/units", timeout=5)
             except ApiClientError as exc:
                 log.warning("reconcile: node %s unreachable: %s", node.name, exc)
                 continue
@@ -838,8 +850,7 @@ class Scheduler:
                 if node is None or rep.unit not in seen.get(rep.node, ()):
                     continue
                 try:
-                    _, body = await call_json("GET", f"{node.url}/api/v1/units/{rep.unit}/key", self.agent_token,
-                                              timeout=5)
+                    _, body = await self.call_agent(node, "GET", f"/api/v1/units/{rep.unit}/key", timeout=5)
                 except ApiClientError as exc:
                     log.debug("reconcile: no key for %s from %s: %s", rep.unit, rep.node, exc)
                     continue

@@ -22,7 +22,8 @@ def hosts(tmp_path):
 def test_a_new_server_goes_to_the_least_busy_host_that_answers(hosts):
     gpu1, gpu2, gpu3 = hosts.agents
     urls = [a.url for a in hosts.agents]
-    choose = lambda: asyncio.run(least_loaded_agent(urls, hosts.agent_token))  # noqa: E731
+    tokens = {a.url: a.token for a in hosts.agents}  # each agent its own
+    choose = lambda: asyncio.run(least_loaded_agent(urls, tokens.__getitem__))  # noqa: E731
     assert choose() == gpu1.url  # all idle: the first listed
     take_the_gpu(gpu1, "busy1")
     assert choose() == gpu2.url
