@@ -28,7 +28,7 @@ class Cluster:
     hosts: dict[str, str]  # inventory name -> address
     containers: dict[str, str]  # inventory name -> podman container
     groups: dict[str, list[str]]
-    agent_token: str = field(repr=False)
+    agent_tokens: dict[str, str] = field(repr=False)  # inventory name -> that host's agent token
     passwords: dict[str, str] = field(default_factory=dict, repr=False)
     ca_file: str = ""  # the hub's (self-signed) certificate and the cluster CA: HTTPS is verified against them
 
@@ -42,6 +42,10 @@ class Cluster:
 
     def agent_url(self, node: str) -> str:
         return f"https://{self.hosts[node]}:8601"
+
+    def agent_auth(self, node: str) -> dict[str, str]:
+        """The header that opens ``node``'s agent API (its own token; no other agent takes it)."""
+        return {"Authorization": f"Bearer {self.agent_tokens[node]}"}
 
     @property
     def scheduler_url(self) -> str:
@@ -76,7 +80,7 @@ def _find_cluster() -> Path | None:
     names = [wanted] if wanted else ["ci", "demo", "dev"]
     for name in names:
         inv = ROOT / ".cache" / name / "inventory"
-        if (inv / "hosts.yml").is_file() and (inv / "credentials" / "agent.token").is_file():
+        if (inv / "hosts.yml").is_file() and (inv / "credentials" / "scheduler.token").is_file():
             return inv
     return None
 
@@ -100,7 +104,7 @@ def load_cluster(ca_dir: Path) -> Cluster | str:
         hosts=hosts,
         containers=containers,
         groups=groups,
-        agent_token=(creds / "agent.token").read_text().strip(),
+        agent_tokens={p.stem: p.read_text().strip() for p in sorted((creds / "agents").glob("*.token"))},
         passwords=passwords,
     )
     env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))

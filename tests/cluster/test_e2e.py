@@ -174,7 +174,7 @@ WHERE = "import os, socket; print(socket.gethostname(), os.environ.get('CUDA_VIS
 
 def node_info(cluster, node: str) -> dict:
     r = http_session(cluster).get(f"{cluster.agent_url(node)}/api/v1/node",
-                     headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)
+                     headers=cluster.agent_auth(node), timeout=10)
     r.raise_for_status()
     return r.json()
 
@@ -279,7 +279,7 @@ def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
     _kid, channel = alice_kernel
     host = channel.run(WHERE)["stdout"].split()[0]
     r = http_session(cluster).get(f"{cluster.agent_url(host)}/api/v1/units",
-                     headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)
+                     headers=cluster.agent_auth(host), timeout=10)
     r.raise_for_status()
     units = [u for u in r.json()["units"] if u.get("kind") == "kernel" and u.get("user") == "alice"]
     assert units, f"{host}'s agent lists no kernel unit of alice: {r.json()}"
@@ -399,6 +399,33 @@ def test_the_daemons_answer_only_over_tls_with_the_cluster_cas_certificates(clus
         assert answer.status_code == 400, (name, answer.status_code)  # tornado refusing plain HTTP
 
 
+def test_each_agent_takes_only_its_own_token_and_prometheus_only_reads_metrics(cluster):
+    """What the roles handed out: each server's agent token opens that agent only, a server's disk
+    holds only digests, and Prometheus' token opens /metrics and nothing else."""
+    s = http_session(cluster)
+    servers = cluster.groups["gpu_nodes"] + cluster.groups["notebook_hosts"]
+    assert set(servers) <= set(cluster.agent_tokens)
+    for node in servers:
+        url = cluster.agent_url(node) + "/api/v1/node"
+        assert s.get(url, headers=cluster.agent_auth(node), timeout=10).status_code == 200, node
+        for other in servers:
+            if other != node:
+                assert s.get(url, headers=cluster.agent_auth(other), timeout=10).status_code == 401, (node, other)
+        on_disk = cluster.exec(node, "cat", "/etc/gpuhub/secrets/agent.token", "/etc/gpuhub/secrets/metrics.token")
+        assert [line[:7] for line in on_disk.split()] == ["sha256:", "sha256:"], node
+
+    metrics_token = (cluster.inventory_dir / "credentials" / "metrics.token").read_text().strip()
+    metrics = {"Authorization": f"Bearer {metrics_token}"}
+    daemons = [(cluster.agent_url(n), "/api/v1/units") for n in servers] + [(cluster.scheduler_url, "/api/v1/kernels")]
+    for url, admin_path in daemons:
+        assert s.get(url + "/metrics", headers=metrics, timeout=10).status_code == 200, url
+        assert s.get(url + admin_path, headers=metrics, timeout=10).status_code == 401, url
+
+    monitoring = cluster.groups["monitoring"][0]
+    kept = cluster.exec(monitoring, "ls", "/etc/prometheus/secrets").split()
+    assert set(kept) - {"gpuhub-ca.crt"} == {"metrics.token", "jupyterhub-metrics.token"}, kept
+
+
 def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
     """The real daemons and the real JupyterHub, with the tokens the roles gave Prometheus (the
     local monitoring tests stand in a stub for the hub: here it is the real one)."""
@@ -502,7 +529,7 @@ def replica_units(cluster, kernel_id: str) -> dict[str, dict]:
     for node in cluster.groups["gpu_nodes"]:
         try:
             r = http_session(cluster).get(f"{cluster.agent_url(node)}/api/v1/units",
-                                          headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=5)
+                                          headers=cluster.agent_auth(node), timeout=5)
             r.raise_for_status()
         except requests.RequestException:
             continue  # a node that is down
@@ -522,7 +549,7 @@ def hold_every_gpu(cluster, node: str) -> str:
     lease token, read as root the way systemd reads it). Returns the unit's name."""
     gpus = node_info(cluster, node)["gpu_count"]
     name = f"gpuhub-kernel-e2ehog-{node}-r0"
-    admin = {"Authorization": f"Bearer {cluster.agent_token}"}
+    admin = cluster.agent_auth(node)
     r = http_session(cluster).post(f"{cluster.agent_url(node)}/api/v1/units", headers=admin, timeout=30, json={
         "name": name, "kind": "kernel", "user": "bob", "gpus": gpus,
         "kernel": {"key": uuid.uuid4().hex, "kernel_id": f"e2ehog-{node}"}})
@@ -539,7 +566,7 @@ def hold_every_gpu(cluster, node: str) -> str:
 def let_go(cluster, node: str, name: str) -> None:
     """Stop a unit ``hold_every_gpu`` started: its GPUs are free again."""
     http_session(cluster).delete(f"{cluster.agent_url(node)}/api/v1/units/{name}", timeout=30,
-                                 headers={"Authorization": f"Bearer {cluster.agent_token}"})
+                                 headers=cluster.agent_auth(node))
 
 
 def every_gpu_node_heartbeats(cluster) -> None:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cluster
 
 def agent_quota(cluster, node: str) -> dict:
     r = http_session(cluster).get(f"{cluster.agent_url(node)}/api/v1/quota",
-                                  headers={"Authorization": f"Bearer {cluster.agent_token}"}, timeout=10)
+                                  headers=cluster.agent_auth(node), timeout=10)
     r.raise_for_status()
     return r.json()
 

@@ -289,9 +289,9 @@ def start_gpuhub(tmp: Path) -> Gpuhub:
     hub_token.chmod(0o600)
     # a notebook host: no GPUs, never a place for replicas, heartbeating like every agent
     hub1 = AgentProcess(tmp, "hub1", 0, extra={"roles": ["notebook"], "scheduler_url": dev.scheduler.url,
-                                               "scheduler_token_file": str(hub_token), "heartbeat_interval_s": 0.5})
-    hub1.token = dev.agent_token  # one agent token for the whole cluster, as Ansible deploys it
-    (hub1.dir / "secrets" / "agent.token").write_text(dev.agent_token)
+                                               "scheduler_token_file": str(hub_token), "heartbeat_interval_s": 0.5,
+                                               "metrics_token_file": str(tmp / "metrics.token")})
+    dev.scheduler.add_agent_token(hub1.name, hub1.token)
     g = Gpuhub(dev, {a.name: a for a in dev.agents})
     try:
         g.agents["hub1"] = hub1.start()
@@ -373,8 +373,7 @@ def monitoring_stack(prometheus_bins, tmp_path_factory) -> Stack:
         gpuhub = start_gpuhub(tmp / "gpuhub")
         # The controller's credentials, which the role copies into Prometheus' secrets dir: the
         # daemons' real tokens (an existing file is what Ansible's password lookup returns).
-        (creds / "agent.token").write_text(gpuhub.dev.agent_token + "\n")
-        (creds / "scheduler.token").write_text(gpuhub.dev.scheduler.token + "\n")
+        (creds / "metrics.token").write_text(gpuhub.dev.metrics_token + "\n")
         exporters = {
             "jupyterhub": Exporter("jupyterhub", "/hub/metrics", _jupyterhub_body(),
                                    creds / "jupyterhub-metrics.token"),

@@ -201,8 +201,11 @@ def test_promtool_check_config_defaults_and_empty_groups(prometheus_bins, tmp_pa
     assert jobs["jupyterhub"]["static_configs"][0]["targets"] == ["127.0.0.1:8081"]
     assert jobs["jupyterhub"]["metrics_path"] == "/hub/metrics"
     assert jobs["node"]["static_configs"][0]["targets"] == ["127.0.0.1:9100"]
-    assert jobs["gpuhub-agent"]["authorization"]["credentials_file"].endswith("/secrets/agent.token")
-    for token in ("agent.token", "scheduler.token", "jupyterhub-metrics.token"):
+    # Prometheus holds the metrics token, which opens /metrics and nothing else, for both daemons.
+    for job in ("gpuhub-agent", "gpuhub-scheduler"):
+        assert jobs[job]["authorization"]["credentials_file"].endswith("/secrets/metrics.token")
+    assert sorted(p.name for p in (out / "secrets").glob("*.token")) == ["jupyterhub-metrics.token", "metrics.token"]
+    for token in ("metrics.token", "jupyterhub-metrics.token"):
         copy = (out / "secrets" / token).read_text()
         assert copy == (tmp_path / "credentials" / token).read_text().strip() and len(copy) == 48
         assert (out / "secrets" / token).stat().st_mode & 0o777 == 0o400
