@@ -20,6 +20,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuhub.replication.journal_space import DISK_FULL_EXIT
+
 log = logging.getLogger(__name__)
 
 UNIT_NAME = re.compile(r"^gpuhub-(kernel|server)-[a-z0-9][a-z0-9_.-]{0,120}$")
@@ -199,7 +201,9 @@ class SystemdRunner:
             # A crashed replica (OOM kill, a segfault in user code) comes back in place and catches
             # up from its journal and peers; after 3 crashes in a minute it stays failed and the
             # scheduler replaces it elsewhere (Scheduler.why_lost). `systemctl stop` never restarts.
-            props += ["Restart=on-failure", "RestartSec=2", "StartLimitIntervalSec=60", "StartLimitBurst=3"]
+            props += ["Restart=on-failure", "RestartSec=2", "StartLimitIntervalSec=60", "StartLimitBurst=3",
+                      # a full disk: restarting would only meet it again (gpuhub/replication/journal_space.py)
+                      f"RestartPreventExitStatus={DISK_FULL_EXIT}"]
         if spec.memory_max:
             props.append(f"MemoryMax={spec.memory_max}")
         if spec.cpu_quota:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
-from gpuhub.replication import raft_guard
+from gpuhub.replication import journal_space, raft_guard
 from gpuhub.replication.election import Election, local_choice
 
 log = logging.getLogger("gpuhub.replication")
@@ -250,6 +250,7 @@ class RaftGroup:
             useFork=False,  # a forked snapshot would copy the whole kernel process (and its namespace)
         )
         raft_guard.install()  # a stranger's bytes are bounded before they authenticate
+        journal_space.install()  # a full disk stops this replica cleanly, never with a SIGBUS
         self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
         if journal_dir:
             _private_journal(journal_dir)  # again: pysyncobj has created its files now
