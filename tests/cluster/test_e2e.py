@@ -286,10 +286,11 @@ def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
     for unit in units:
         props = dict(
             line.split("=", 1)
-            for line in cluster.exec(host, "systemctl", "show", unit["name"], "-p", "User,ActiveState,MainPID")
-            .splitlines() if "=" in line
+            for line in cluster.exec(host, "systemctl", "show", unit["name"], "-p",
+                                     "User,ActiveState,MainPID,RestartPreventExitStatus").splitlines() if "=" in line
         )
         assert props["ActiveState"] == "active", props
+        assert props["RestartPreventExitStatus"] == "74", props  # a full disk: stopped for good, not restarted
         alice_uid = cluster.exec(host, "id", "-u", "alice").strip()
         assert props["User"] in ("alice", alice_uid), props
         owner = cluster.exec(host, "ps", "-o", "user=", "-p", props["MainPID"]).strip()
