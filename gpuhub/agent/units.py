@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuhub.replication.journal_space import DISK_FULL_EXIT
+from gpuhub.platform.exit_status import DISK_FULL_EXIT
 
 log = logging.getLogger(__name__)
 

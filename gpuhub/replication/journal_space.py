@@ -25,9 +25,10 @@ import os
 
 from pysyncobj.journal import ResizableFile
 
+from gpuhub.platform.exit_status import DISK_FULL_EXIT
+
 log = logging.getLogger("gpuhub.replication")
 
-DISK_FULL_EXIT = 74  # EX_IOERR (sysexits.h)
 GROW_STEP = 64 << 10  # when the doubled journal does not fit, it grows by this much at a time
 _FILE = "_ResizableFile__f"
 _MAP = "_ResizableFile__mm"

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from gpuhub.dev.cluster import DevCluster
-from gpuhub.replication.journal_space import DISK_FULL_EXIT
+from gpuhub.platform.exit_status import DISK_FULL_EXIT
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import run
 from tests.integration.test_replicated import ReplicatedKernel, assert_equal_namespaces, ok
