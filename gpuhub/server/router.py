@@ -636,7 +636,8 @@ class KernelRouter:
             return
         async with self._order:
             if self._open and self._running is None and not self._held:
-                await self._forward(msg, channel)
+                if not await self._forward(msg, channel):
+                    self._hold(msg, channel)  # no replica takes requests now: it goes when one does
             else:
                 self._hold(msg, channel)
 
@@ -675,7 +676,8 @@ class KernelRouter:
                 if execute:
                     rep.last_execute = msg_id
         if not sent:
-            self.log.warning("no live replica took %s %s", msg.msg_type, msg_id)
+            self.log.warning("no live replica took %s %s%s", msg.msg_type, msg_id,
+                             ": held until one does" if channel == "shell_port" else "")
         elif execute:
             self._last_execute = msg_id
             content = msg.content()
@@ -732,8 +734,10 @@ class KernelRouter:
                 held = self._unhold(self._held)
                 if abort and held.msg.msg_type == "execute_request":
                     await self._send_aborted(held.msg)
-                else:
-                    await self._forward(held.msg, held.channel)
+                elif not await self._forward(held.msg, held.channel):
+                    self._held.appendleft(held)  # first again, for the next try (_heartbeat_loop)
+                    self._held_bytes += held.msg.size
+                    return
 
     async def _send_aborted(self, msg: _Msg) -> None:
         """ipykernel 7's answer to an execute_request after an error (dispatch_shell and
@@ -920,6 +924,8 @@ class KernelRouter:
             self._sweep(now)
             await self._check_open()
             await self._check_running(now)
+            if self._open and self._running is None and self._held:
+                await self._release()  # requests no replica could take (all restarting): try again
             await asyncio.sleep(self.hb_interval_s)
 
     async def _check_running(self, now: float) -> None:

@@ -383,6 +383,26 @@ async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(rout
     await router.stop()  # idempotent
 
 
+async def test_a_cell_sent_while_no_replica_takes_requests_runs_once_they_do(routed, replicas):
+    """Every replica restarting at once (each killed for memory, say): a cell sent meanwhile was
+    dropped, and the notebook waited for its reply for good. It is held, and runs once they are back."""
+    router, _, kc = routed
+    for rid in range(3):
+        replicas.kill(rid)
+    assert await _wait_for(lambda: router.live_replicas() == [], 10)
+    msg_id = kc.execute("print('after the restart')")
+    for rid in range(3):
+        router.replace_replica(replicas.start(rid))
+    reply = await kc.get_shell_msg(timeout=60)
+    while reply["parent_header"]["msg_id"] != msg_id:  # the start's kernel_info replies come first
+        reply = await kc.get_shell_msg(timeout=60)
+    assert reply["content"]["status"] == "ok", reply
+    # (plain ipykernel replicas each run it and print: which one's output counts is the gpuhub
+    # kernel's business, tests/integration/test_replicated.py)
+    out = {m["content"]["text"] for m in await _drain_iopub(kc, msg_id) if m["msg_type"] == "stream"}
+    assert out == {"after the restart\n"}, out
+
+
 async def test_a_welcomed_replica_that_never_echoes_a_heartbeat_is_dead_after_the_timeout(replicas):
     """The start-up grace covers a replica that has not shown it runs. Once its iopub welcomed the
     router, its heartbeat must answer within the timeout like any other's: a replica stopped
