@@ -334,8 +334,11 @@ class ProcessRunner(SystemdRunner):
             code = proc.poll()
             if code is None:
                 return UnitStatus(name, True, "active", proc.pid, me)
-            return UnitStatus(name, False, "inactive" if code == 0 else "failed", None, None)
-        pid = self._pid(name)  # a unit started before this agent restarted
+            if self._pid(name) in (proc.pid, None):
+                return UnitStatus(name, False, "inactive" if code == 0 else "failed", None, None)
+            # else its pid file names another process: the unit was started again as systemd's
+            # Restart= would (tests stand in for it), so that process is the unit now
+        pid = self._pid(name)  # a unit started before this agent restarted, or started again
         if pid is not None:
             try:
                 os.kill(pid, 0)

@@ -61,6 +61,7 @@ from pathlib import Path
 from gpuhub.kernel import hugepages
 from gpuhub.kernel import image as images
 from gpuhub.replication import blobclient
+from gpuhub.replication.blobdisk import BlobDisk
 from gpuhub.replication.blobserver import BlobServer
 from gpuhub.replication.blobstore import BlobStore, copy_into
 from gpuhub.replication.digest import digest, fill_and_digest
@@ -174,6 +175,9 @@ class Replica:
         self._pending_key: tuple | None = None
         self._referenced: set[str] = set()  # blobs of the images loaded or committed here
         self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
+        # The last image's large values on this server's disk, to outlive this process: created
+        # before the group, whose journal replays images as soon as it starts.
+        self.disk = BlobDisk(os.path.join(journal_dir, "blobs"), self.store) if journal_dir else None
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
@@ -210,6 +214,9 @@ class Replica:
         leader, so losing one needs no Raft election before the next cell."""
         if kind != "complete":
             return
+        if self.disk is not None:
+            image = self.state.image
+            self.disk.persist(image.blob_digests() if image is not None else set())
         outcome = self.state.outcomes.get(cell)
         peer = self.peers.get(outcome.by) if outcome is not None else None
         if peer is not None and peer.id != self.id:
@@ -219,6 +226,11 @@ class Replica:
         if not self.raft.wait_ready(self.settings.ready_timeout_s):
             raise RuntimeError(f"gpuhub: replica {self.id} could not join its group within "
                                f"{self.settings.ready_timeout_s:g} s (is a majority of replicas running?)")
+        if self.disk is not None:  # caught up: the disk may now follow the committed images
+            with self.state.changed:
+                image = self.state.image
+            self.disk.persist(image.blob_digests() if image is not None else set())
+            self.disk.start()
 
     def other_blob_addrs(self) -> list[str]:
         return [p.blob for p in self.peers.values() if p.id != self.id]
@@ -231,6 +243,8 @@ class Replica:
         self._closing.set()
         self.raft.destroy()
         self.blob_server.stop()
+        if self.disk is not None:
+            self.disk.stop()
 
     # --- membership: the scheduler replaced a lost replica ----------------------------
     def watch_peers(self, path: str, interval_s: float = 0.25) -> None:
@@ -497,6 +511,10 @@ class Replica:
         data = self.store.get(d)
         if data is None and self.store.wait_incoming(d, self.settings.blob_wait_s):
             data = self.store.get(d)  # the executor's push was still arriving
+        if data is None and self.disk is not None:
+            data = self.disk.read(d)  # this replica kept it before it restarted
+            if data is not None:
+                self.store.put(d, data)
         if data is None:
             data = blobclient.fetch(self.other_blob_addrs(), self.key, d, store=self.store)
         return data

@@ -1,0 +1,173 @@
+"""A replica's large values on its own disk, so that they outlive its process (docs/architecture.md D4).
+
+Values over 64 KiB travel beside the Raft log, and lived only in the replicas' memory: a kernel
+whose replica processes all restarted at once (each killed for going over its unit's MemoryMax,
+and started again by systemd) came back with a journal naming values no one held, and its
+namespace was gone. Now each replica writes the large values of
+the last committed image into its journal directory (``blobs/<digest>``), on a thread of its own
+after the cell (a cell never waits for the disk), and removes those no committed image needs any
+more. A replica loading an image reads them from there before it asks its peers.
+
+A file is written as ``<digest>.part``, flushed to disk, then renamed, so a file named by a digest
+holds the whole value; reading checks the digest anyway (disks rot). These copies never take the
+last :data:`KEEP_FREE` of the disk, which the Raft journals need (gpuhub/replication/journal_space.py);
+a value that does not fit, or another write error, is logged once and stays where it was before:
+in the replicas' memory.
+
+Until :meth:`BlobDisk.start` (the replica has caught up with its group), nothing is written or
+removed: while the journal is replayed, older images are applied one by one, and the files of the
+newest must not be taken for leftovers.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import threading
+
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
+
+log = logging.getLogger("gpuhub.replication")
+
+WRITE_STEP = 8 << 20  # bytes per write() call: the thread holds no lock and the GIL only briefly
+DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
+KEEP_FREE = 0.10  # of the filesystem, left for the Raft journals (a full disk stops a replica)
+RETRY_S = 5.0  # a value not yet in the store (still arriving from the executor) is tried again after this
+
+
+class BlobDisk:
+    def __init__(self, directory: str, store: BlobStore) -> None:
+        self.directory = directory
+        self.store = store
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        for name in os.listdir(directory):  # what an interrupted write left
+            if name.endswith(".part"):
+                os.unlink(os.path.join(directory, name))
+        self._wanted: set[str] | None = None  # the digests of the last committed image
+        self._started = False
+        self._stopping = False
+        self._failed_once = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="gpuhub-blobdisk", daemon=True)
+
+    def path(self, d: str) -> str:
+        if not DIGEST_HEX.fullmatch(d):  # a digest from the log: never a path
+            raise ValueError(f"not a digest: {d!r}")
+        return os.path.join(self.directory, d)
+
+    # --- the replica's side ------------------------------------------------------------------------
+    def persist(self, digests: set[str]) -> None:
+        """The last committed image needs these values: keep them on disk, and only them. Cheap
+        (pysyncobj's thread calls it after each cell)."""
+        with self._changed:
+            self._wanted = set(digests)
+            self._changed.notify_all()
+
+    def start(self) -> None:
+        """The replica is caught up: from now on the disk follows :meth:`persist`."""
+        with self._changed:
+            if not self._started:
+                self._started = True
+                self._thread.start()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+
+    def read(self, d: str) -> memoryview | None:
+        """Value ``d`` from disk (checked against its digest), or None when it is not there or is
+        not whole."""
+        try:
+            with open(self.path(d), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+        except (OSError, ValueError):
+            return None
+        if digest(data) != d:
+            log.warning("a stored value on disk does not match its digest %s…: ignored", d[:16])
+            return None
+        return memoryview(data)
+
+    def on_disk(self) -> set[str]:
+        try:
+            return {n for n in os.listdir(self.directory) if not n.endswith(".part")}
+        except OSError:
+            return set()
+
+    # --- the writer thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        done: set[str] | None = None
+        while True:
+            with self._changed:
+                while not self._stopping and (self._wanted is None or self._wanted == done):
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                wanted = set(self._wanted)
+            missing = self._sync(wanted)
+            done = wanted if not missing else None
+            if missing:
+                with self._changed:
+                    self._changed.wait(RETRY_S)
+
+    def _sync(self, wanted: set[str]) -> set[str]:
+        """Write what ``wanted`` lacks on disk, remove the rest; the digests not in the store yet."""
+        present = self.on_disk()
+        missing = set()
+        for d in sorted(wanted - present):
+            data = self.store.get(d)
+            if data is None:
+                missing.add(d)
+                continue
+            self._write(d, data)
+            del data
+        for d in present - wanted:
+            try:
+                os.unlink(self.path(d))
+            except (OSError, ValueError):
+                pass
+        return missing
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more leave :data:`KEEP_FREE` of the filesystem free: these copies
+        are a convenience, the Raft journals beside them are not, and they share the disk."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize - nbytes >= KEEP_FREE * st.f_blocks * st.f_frsize
+
+    def _write(self, d: str, data) -> None:
+        final = self.path(d)
+        part = final + ".part"
+        if not self._room_for(memoryview(data).nbytes):
+            self._failed(f"{memoryview(data).nbytes} bytes would leave less than {KEEP_FREE:.0%} of the disk free")
+            return
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data).cast("B")
+                for i in range(0, len(view), WRITE_STEP):
+                    chunk = view[i:i + WRITE_STEP]
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk):]
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(part, final)
+        except OSError as exc:
+            try:
+                os.unlink(part)
+            except OSError:
+                pass
+            self._failed(str(exc))
+
+    def _failed(self, why: str) -> None:
+        if not self._failed_once:  # once: a full disk would say so after every cell
+            self._failed_once = True
+            log.warning("cannot keep a large value on disk (%s); it stays in the replicas' memory only, "
+                        "and is lost if all of them restart at once", why)

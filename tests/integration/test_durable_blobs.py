@@ -1,0 +1,64 @@
+"""Large values outlive their replicas' processes (gpuhub/replication/blobdisk.py). Values over
+64 KiB travel beside the Raft log; when they lived only in the replicas' memory, a kernel whose
+three replica processes restarted at once (each killed for memory, say, and started again by
+systemd's Restart=) came back with a journal naming values no one held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+from tests.helpers import wait_for
+from tests.integration.test_replicated import (
+    _restartable,
+    assert_equal_namespaces,
+    cpu_kernel,  # noqa: F401 - fixture
+    dev_cluster,  # noqa: F401 - fixture
+    live_replicas,
+    ok,
+)
+
+
+def blob_files(kernel, rid: int) -> set[str]:
+    """The large values replica ``rid`` keeps on disk, by digest."""
+    replica = kernel.replica(rid)
+    journal = kernel.cluster.agent(replica["node"]).dir / "state" / "journals" / replica["unit"] / "blobs"
+    try:
+        return {name for name in os.listdir(journal) if not name.endswith(".part")}
+    except FileNotFoundError:
+        return set()
+
+
+def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_kernel):  # noqa: F811
+    kernel = cpu_kernel
+    ok(kernel, "import numpy as np\nbig = np.arange(2_000_000) * 3\nsmall = list(range(10))\nx = 1")
+    rids = [r["id"] for r in kernel.record["replicas"]]
+    # After the cell, each replica writes the image's large values to disk (not on the cell's path).
+    wait_for(lambda: all(blob_files(kernel, rid) for rid in rids), 60, "every replica's large values on disk")
+
+    # Each replica's process is killed and started again at once, as systemd's Restart= does (same
+    # command, ports and journal; its pid file tells the agent): none has the values in memory.
+    procs = []
+    try:
+        for rid in rids:
+            pid = kernel.pid(rid)
+            cmd, env, cwd = _restartable(pid)
+            os.kill(pid, signal.SIGKILL)
+            replica = kernel.replica(rid)
+            with open(kernel.cluster.tmp / f"restarted-r{rid}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, stdout=log,
+                                              stderr=subprocess.STDOUT))
+            unit_dir = kernel.cluster.agent(replica["node"]).dir / "run" / "units" / replica["unit"]
+            (unit_dir / "pid").write_text(str(procs[-1].pid))
+
+        wait_for(lambda: sorted(live_replicas(kernel)) == sorted(rids), 180, "the router to count them live again")
+        # The cell waits until its replica has caught up: the journal, then the large values.
+        out = ok(kernel, "print(int(big.sum()), x, small[-1])", timeout=120)
+        assert out["stdout"].split() == [str(3 * sum(range(2_000_000))), "1", "9"], out
+        view = assert_equal_namespaces(kernel, ["x", "big", "small"], tuple(rids))
+        assert " ".join(view["big"].split()).startswith("[ 0 3 6"), view
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -1,0 +1,76 @@
+"""A replica's large values on disk (gpuhub/replication/blobdisk.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from gpuhub.replication import blobdisk
+from gpuhub.replication.blobdisk import BlobDisk
+from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.digest import digest
+from tests.helpers import wait_for
+
+
+def value(seed: int, n: int = 300_000) -> bytes:
+    return bytes((seed + i) % 251 for i in range(n))
+
+
+@pytest.fixture
+def store():
+    s = BlobStore()
+    values = {digest(v): v for v in (value(1), value(2), value(3))}
+    for d, v in values.items():
+        s.put(d, v)
+    s.values = values
+    return s
+
+
+@pytest.fixture
+def disk(tmp_path, store):
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / ("0" * 64 + ".part")).write_bytes(b"half a value")  # an interrupted write
+    d = BlobDisk(str(tmp_path / "blobs"), store)
+    yield d
+    d.stop()
+
+
+def test_the_disk_follows_the_last_image_once_started(disk, store):
+    first, second, third = store.values
+    assert disk.on_disk() == set() and not os.listdir(disk.directory)  # the half-written file is gone
+    disk.persist({first, second})
+    assert disk.on_disk() == set()  # not before the replica has caught up (the journal is replayed)
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first, second}, 30, "the image's values on disk")
+    assert bytes(disk.read(first)) == store.values[first]
+    assert oct(os.stat(disk.path(first)).st_mode & 0o777) == "0o600"
+
+    disk.persist({second, third})  # the next cell's image
+    wait_for(lambda: disk.on_disk() == {second, third}, 30, "the old value removed, the new one written")
+    disk.persist(set())  # an empty namespace
+    wait_for(lambda: disk.on_disk() == set(), 30, "nothing kept")
+
+
+def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
+    first = next(iter(store.values))
+    disk.persist({first})
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first}, 30, "the value on disk")
+    with open(disk.path(first), "r+b") as f:
+        f.write(b"rot")
+    assert disk.read(first) is None
+    assert disk.read("f" * 64) is None  # never written
+    with pytest.raises(ValueError):
+        disk.path("../raft.journal")
+
+
+def test_the_copies_leave_the_journals_their_share_of_the_disk(disk, store, monkeypatch, caplog):
+    monkeypatch.setattr(blobdisk, "KEEP_FREE", 1.0)  # no room at all
+    disk.persist(set(store.values))
+    with caplog.at_level(logging.WARNING, logger="gpuhub.replication"):
+        disk.start()
+        wait_for(lambda: "cannot keep a large value on disk" in caplog.text, 30, "the warning")
+    assert disk.on_disk() == set()
+    assert caplog.text.count("cannot keep a large value on disk") == 1  # once, not per value
