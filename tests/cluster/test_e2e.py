@@ -514,6 +514,37 @@ def test_alerts_reach_alertmanager_and_its_webhooks(cluster):
         cluster.exec(mon, "systemctl", "stop", "gpuhub-e2e-webhook", check=False)
 
 
+def test_a_kernel_whose_replicas_are_all_killed_at_once_keeps_its_large_values(cluster, alice):
+    """All three replica processes killed together (as the OOM killer would, each over MemoryMax):
+    systemd restarts each in place, and the large value, which no replica had in memory any more,
+    comes back from each replica's own disk (gpuhub/replication/blobdisk.py)."""
+    kid = alice.start_kernel("gpuhub-gpu1")
+    channel = alice.kernel(kid)
+    try:
+        channel.run("big = bytes(range(256)) * 40_000\nstate = 7", timeout=60)
+        placed = wait_for(lambda: (units := replica_units(cluster, kid)) and len(units) == 3 and units, 30)
+        assert placed, f"replicas of {kid}: {replica_units(cluster, kid)}"
+
+        def on_disk(node: str) -> bool:
+            blobs = f"/var/lib/gpuhub/agent/journals/{placed[node]['name']}/blobs"
+            return bool(cluster.exec(node, "ls", blobs, check=False).split())
+        assert wait_for(lambda: all(on_disk(n) for n in placed), 60, interval=1), "no large values on disk"
+
+        for node, unit in placed.items():
+            cluster.exec(node, "systemctl", "kill", "-s", "KILL", f"{unit['name']}.service")
+        def restarted(node: str, unit: str) -> bool:
+            props = unit_props(cluster, node, unit, "NRestarts", "ActiveState")
+            return props["NRestarts"] == "1" and props["ActiveState"] == "active"
+        for node, unit in placed.items():
+            assert wait_for(lambda n=node, u=unit["name"]: restarted(n, u), 60, interval=1), \
+                f"systemd did not restart {unit['name']} on {node}"
+        out = channel.run("print(len(big), big[:3], state)", timeout=180)
+        assert out["stdout"].split() == ["10240000", "b'\\x00\\x01\\x02'", "7"], out
+    finally:
+        channel.close()
+        alice.api("DELETE", f"/user/alice/api/kernels/{kid}")
+
+
 def test_zz_losing_an_idle_replicas_server_loses_nothing(cluster, alice_kernel):
     """Runs last: `podman kill` (a power cut) of a GPU node holding an idle replica of the kernel.
     The other two replicas are a majority: the next cell works and sees the state from before."""
