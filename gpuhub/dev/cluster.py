@@ -282,6 +282,7 @@ class DevCluster:
         self.agents: list[AgentProcess] = []
 
     def start(self, timeout_s: float = 30) -> DevCluster:
+        self.tmp.mkdir(parents=True, exist_ok=True)
         metrics_token_file = self.tmp / "metrics.token"
         write_secret(metrics_token_file, self.metrics_token)
         self.scheduler = SchedulerProcess(self.tmp, {}, {self.user_token: current_user(), **self.other_users},
