@@ -150,6 +150,7 @@ class _Request:
     statuses_sent: set[str] = field(default_factory=set)
     idles: dict[int, list[bytes]] = field(default_factory=dict)  # held until the answerer is known
     stdin_replica: int | None = None
+    undelivered: bool = False  # no replica took it once: said in the log once, however often retried
 
     @property
     def expects_reply(self) -> bool:
@@ -676,8 +677,12 @@ class KernelRouter:
                 if execute:
                     rep.last_execute = msg_id
         if not sent:
-            self.log.warning("no live replica took %s %s%s", msg.msg_type, msg_id,
-                             ": held until one does" if channel == "shell_port" else "")
+            req = self._requests.get(msg_id) if msg_id else None
+            if req is None or not req.undelivered:  # once, not at every retry
+                self.log.warning("no live replica took %s %s%s", msg.msg_type, msg_id,
+                                 ": held until one does" if channel == "shell_port" else "")
+            if req is not None:
+                req.undelivered = True
         elif execute:
             self._last_execute = msg_id
             content = msg.content()

@@ -383,14 +383,16 @@ async def test_heartbeat_follows_the_majority_and_a_replacement_restores_it(rout
     await router.stop()  # idempotent
 
 
-async def test_a_cell_sent_while_no_replica_takes_requests_runs_once_they_do(routed, replicas):
+async def test_a_cell_sent_while_no_replica_takes_requests_runs_once_they_do(routed, replicas, caplog):
     """Every replica restarting at once (each killed for memory, say): a cell sent meanwhile was
     dropped, and the notebook waited for its reply for good. It is held, and runs once they are back."""
     router, _, kc = routed
     for rid in range(3):
         replicas.kill(rid)
     assert await _wait_for(lambda: router.live_replicas() == [], 10)
+    caplog.set_level(logging.WARNING, logger="gpuhub.server.router")
     msg_id = kc.execute("print('after the restart')")
+    assert await _wait_for(lambda: "held until one does" in caplog.text, 10)
     for rid in range(3):
         router.replace_replica(replicas.start(rid))
     reply = await kc.get_shell_msg(timeout=60)
@@ -401,6 +403,7 @@ async def test_a_cell_sent_while_no_replica_takes_requests_runs_once_they_do(rou
     # kernel's business, tests/integration/test_replicated.py)
     out = {m["content"]["text"] for m in await _drain_iopub(kc, msg_id) if m["msg_type"] == "stream"}
     assert out == {"after the restart\n"}, out
+    assert caplog.text.count(f"no live replica took execute_request {msg_id}") == 1  # not at every retry
 
 
 async def test_a_welcomed_replica_that_never_echoes_a_heartbeat_is_dead_after_the_timeout(replicas):
