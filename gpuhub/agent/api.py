@@ -19,6 +19,7 @@ from gpuhub.platform.http_server import (
     JsonHandler,
     api_settings,
     bearer_token,
+    opens_metrics,
     token_matches,
 )
 from gpuhub.platform.schema import Body, invalid
@@ -45,8 +46,7 @@ class AgentHandler(JsonHandler):
             self.unit = self.agent.unit_for_lease_token(token)
             if self.unit is None:
                 raise ApiError(401, "missing or invalid lease token")
-        elif not (token_matches(token, self.token) or (
-                "metrics" in self.callers and self.metrics_token and token_matches(token, self.metrics_token))):
+        elif not (token_matches(token, self.token) or opens_metrics(self.callers, self.metrics_token, token)):
             raise ApiError(401, "missing or invalid token")
 
 

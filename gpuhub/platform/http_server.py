@@ -67,6 +67,12 @@ MAX_BODY_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 10
 
 
+def opens_metrics(callers: tuple[str, ...], metrics_token: str | None, presented: str | None) -> bool:
+    """Whether ``presented`` is the metrics token (``metrics_token_file``) on a handler whose
+    ``callers`` take it: the agents' and the scheduler's /metrics."""
+    return "metrics" in callers and bool(metrics_token) and token_matches(presented, metrics_token)
+
+
 class MetricsAccess(Configurable):
     """A token for GET /metrics only; a base of the daemons' settings. Prometheus holds it instead of
     a token that can also start units or kernels."""

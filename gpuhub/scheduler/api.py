@@ -16,7 +16,7 @@ from gpuhub.platform.http_server import (
     JsonHandler,
     api_settings,
     bearer_token,
-    token_matches,
+    opens_metrics,
     tokens_equal,
 )
 from gpuhub.platform.schema import Body, invalid
@@ -54,8 +54,7 @@ class SchedulerHandler(JsonHandler):
     async def authenticate(self) -> None:
         token = bearer_token(self)
         self.admin = "admin" in self.callers and tokens_equal(token, self.token)
-        if not self.admin and "metrics" in self.callers and self.metrics_token \
-                and token_matches(token, self.metrics_token):
+        if not self.admin and opens_metrics(self.callers, self.metrics_token, token):
             return
         if not self.admin and "node" in self.callers and self.nodes is not None:
             self.node = self.nodes.node_for(token)
