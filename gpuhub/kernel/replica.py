@@ -214,9 +214,7 @@ class Replica:
         leader, so losing one needs no Raft election before the next cell."""
         if kind != "complete":
             return
-        if self.disk is not None:
-            image = self.state.image
-            self.disk.persist(image.blob_digests() if image is not None else set())
+        self._persist_last_image()
         outcome = self.state.outcomes.get(cell)
         peer = self.peers.get(outcome.by) if outcome is not None else None
         if peer is not None and peer.id != self.id:
@@ -228,9 +226,14 @@ class Replica:
                                f"{self.settings.ready_timeout_s:g} s (is a majority of replicas running?)")
         if self.disk is not None:  # caught up: the disk may now follow the committed images
             with self.state.changed:
-                image = self.state.image
-            self.disk.persist(image.blob_digests() if image is not None else set())
+                self._persist_last_image()
             self.disk.start()
+
+    def _persist_last_image(self) -> None:
+        """Have the disk keep the large values of the last committed image, and only those."""
+        if self.disk is not None:
+            image = self.state.image
+            self.disk.persist(image.blob_digests() if image is not None else set())
 
     def other_blob_addrs(self) -> list[str]:
         return [p.blob for p in self.peers.values() if p.id != self.id]

@@ -37,10 +37,16 @@ _NAME = "_ResizableFile__fileName"
 _REMAP = "_ResizableFile__extand"
 
 
-def reserve(fd: int, offset: int, length: int) -> None:
-    """Give ``[offset, offset + length)`` of the file disk blocks now (OSError ENOSPC/EDQUOT when
-    there are none), so that writing through a mapping of it cannot fault."""
-    os.posix_fallocate(fd, offset, length)
+def reserve(fd: int, offset: int, length: int) -> OSError | None:
+    """Give ``[offset, offset + length)`` of the file disk blocks now, so that writing through a
+    mapping of it cannot fault; the error when the disk (or the user's quota) has no room."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        raise
 
 
 def stop_for_disk_full(path: str, needed: int, exc: OSError) -> None:
@@ -78,18 +84,11 @@ def install() -> None:
             # ``size()`` is the file's, which the reservation has already grown.
             grown = max(int(size * getattr(self, _FACTOR)), end)
             fd = getattr(self, _FILE).fileno()
-            try:
-                reserve(fd, size, grown - size)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
+            if reserve(fd, size, grown - size) is not None:
                 grown = end + GROW_STEP - end % GROW_STEP  # less than doubling may still fit
-                try:
-                    reserve(fd, size, grown - size)
-                except OSError as again:
-                    if again.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    stop_for_disk_full(getattr(self, _NAME), grown - size, again)
+                full = reserve(fd, size, grown - size)
+                if full is not None:
+                    stop_for_disk_full(getattr(self, _NAME), grown - size, full)
             try:
                 mapped.resize(grown)
             except (SystemError, OSError):

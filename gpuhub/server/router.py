@@ -658,6 +658,11 @@ class KernelRouter:
         self._held_bytes -= held.msg.size
         return held
 
+    def _put_back(self, held: _Held) -> None:
+        """Undo :meth:`_unhold` of a shell request: it is first again."""
+        self._held.appendleft(held)
+        self._held_bytes += held.msg.size
+
     async def _forward(self, msg: _Msg, channel: str) -> int:
         """Send a request to every live replica; an execute_request on shell becomes the running one."""
         msg_id = str(msg.header.get("msg_id", ""))
@@ -740,8 +745,7 @@ class KernelRouter:
                 if abort and held.msg.msg_type == "execute_request":
                     await self._send_aborted(held.msg)
                 elif not await self._forward(held.msg, held.channel):
-                    self._held.appendleft(held)  # first again, for the next try (_heartbeat_loop)
-                    self._held_bytes += held.msg.size
+                    self._put_back(held)  # first again, for the next try (_heartbeat_loop)
                     return
 
     async def _send_aborted(self, msg: _Msg) -> None:
