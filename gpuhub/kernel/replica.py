@@ -153,6 +153,9 @@ class Replica:
                  settings: Settings | None = None, *, cells_in_process: bool = False) -> None:
         self.id = replica_id
         self.peers = {p.id: p for p in peers}
+        # Members that left the group (moved or replaced), kept so that a cell elected to one of
+        # them is known to be lost (see _watch): their results can no longer be committed.
+        self.departed: dict[int, Peer] = {}
         if replica_id not in self.peers:
             raise RuntimeError(f"gpuhub: replica {replica_id} is not in its own peers list")
         self.me = self.peers[replica_id]
@@ -287,7 +290,9 @@ class Replica:
             log.warning("replica %d is no longer in its kernel's group (replaced); it stays passive", self.id)
             return True
         old = set(self.peers)
-        self.peers = {p.id: p for p in peers}  # one assignment: readers see the old or the new map
+        new = {p.id: p for p in peers}
+        self.departed.update((i, p) for i, p in self.peers.items() if i not in new)
+        self.peers = new  # one assignment: readers see the old or the new map
         log.info("replica %d: group is now %s (was %s)", self.id, sorted(self.peers), sorted(old))
         return True
 
@@ -495,20 +500,30 @@ class Replica:
 
     def _watch(self, cell: str, runner: int, execution_count: int, done, role: str) -> CellOutcome | None:
         """Wait until ``done()`` (then: the cell's outcome, if it ended), while ``runner``'s replica
-        answers; abort the cell once it has not for ``executor_lost_s``."""
-        peer = self.peers.get(runner)
+        answers and is a member; abort the cell once it has not for ``executor_lost_s``. A runner
+        that left the group (a migration moved it, its server was replaced) counts as lost even
+        while it still answers: the Raft group no longer takes its entries, so its result could
+        never be committed and the cell would wait for good."""
         unreachable_since = None
         while True:
             if self._wait(done, 0.5):
                 with self.state.changed:
                     return self.state.outcomes.get(cell)
-            if peer is None or reachable(peer.blob):
+            peer = self.peers.get(runner)
+            if peer is not None and reachable(peer.blob):
                 unreachable_since = None
                 continue
             unreachable_since = unreachable_since or time.monotonic()
-            if time.monotonic() - unreachable_since >= self.settings.executor_lost_s:
-                return self.abort(cell, -1, "executor-lost",
-                                  f"the replica {role} (on {peer.node or peer.raft}) stopped", execution_count)
+            if time.monotonic() - unreachable_since < self.settings.executor_lost_s:
+                continue
+            if peer is not None:
+                detail = f"the replica {role} (on {peer.node or peer.raft}) stopped"
+            else:
+                gone = self.departed.get(runner)
+                where = f" (on {gone.node or gone.raft})" if gone else ""
+                detail = (f"the replica {role}{where} left this kernel's group (it was moved to another server) "
+                          "before the cell ended")
+            return self.abort(cell, -1, "executor-lost", detail, execution_count)
 
     def _blob(self, d: str):
         data = self.store.get(d)
