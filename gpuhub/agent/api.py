@@ -140,6 +140,20 @@ class UnitHandler(AgentHandler):
         self.write_json({"stopped": name, "was_known": known})
 
 
+class FenceHandler(AgentHandler):
+    def post(self, name: str) -> None:
+        """The scheduler is about to move this replica away (a migration): no new GPU leases for
+        it; the answer lists those it holds now (then the move is called off)."""
+        held = self.agent.fence(name)
+        if held is None:
+            raise ApiError(404, f"no unit {name}")
+        self.write_json({"unit": name, "fenced": True, "leases": held})
+
+    def delete(self, name: str) -> None:
+        self.agent.unfence(name)
+        self.write_json({"unit": name, "fenced": False})
+
+
 class UnitKeyHandler(AgentHandler):
     def get(self, name: str) -> None:
         """A kernel unit's connection key: the scheduler rebuilds its books from the agents."""
@@ -335,6 +349,7 @@ def make_app(agent: Agent, token: str, scheduler_token: str | None = None,
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)", UnitHandler, args),
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/peers", PeersHandler, args),
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/key", UnitKeyHandler, args),
+            (r"/api/v1/units/([A-Za-z0-9_.@-]+)/fence", FenceHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
             (r"/api/v1/migrations", MigrationHandler, args),

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 # The end of a stopped unit's log that GET /api/v1/units/{name} shows (its start error, mostly).
 ERROR_LINES = 20
+# How long a migration's fence on a replica holds (Agent.fence): longer than a move takes (start
+# the new replica, change the group, stop the old one), short enough that a lost "call it off"
+# costs that replica its GPUs for a few minutes at most.
+FENCE_S = 180.0
 ERROR_CHARS = 4000
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
@@ -64,6 +68,9 @@ class Agent:
         self.book = LeaseBook(self.inventory.count())
         self.runner = make_runner(config.unit_backend, config.runtime_dir, config.min_uid)
         self.units: dict[str, UnitRecord] = {}
+        # Replicas a migration is moving away → when the fence lapses (monotonic): no new GPU
+        # leases for them (see fence). In memory only: the move it guards takes seconds.
+        self.fenced: dict[str, float] = {}
         self.state_path = Path(config.state_dir) / "state.json"
         # 0600: lease token digests, who runs what. Saved at every grant and release, on a GPU cell's
         # path, so not durable: what it describes (transient units, leases of running cells) does
@@ -305,6 +312,7 @@ class Agent:
 
     def _forget(self, name: str) -> None:
         self.units.pop(name, None)
+        self.fenced.pop(name, None)
         self.book.unplace(name)
         self._ended(self.book.release_holder(name))
         self._leases_changed()
@@ -370,6 +378,9 @@ class Agent:
         grant would take the unit's user past a limit (gpuhub/agent/quota_gate.py)."""
         if gpus > unit.gpus:
             raise LeaseError(f"{unit.name} was placed with {unit.gpus} GPU(s) per cell; it asked for {gpus}")
+        if self.fenced.get(unit.name, 0.0) > time.monotonic():  # moving away: the replica replacing it runs the cell
+            self.counters["refused"] += 1
+            return None
         # One lease per unit. A replica runs one cell at a time and gives its lease back before it
         # asks again, so a lease it still holds is stale (its release was lost) and is replaced,
         # never added to: user code can read the unit's lease token, and must not collect GPUs
@@ -391,6 +402,22 @@ class Agent:
             self._leases_changed()
             self.save()
         return lease
+
+    def fence(self, name: str) -> list[str] | None:
+        """Grant no more GPUs to unit ``name``, which a migration is about to take out of its
+        kernel's group; the leases it holds now (a replica holding one may have been elected to run
+        the waiting cell, and must not be moved), or None when there is no such unit. A replica
+        proposes to run a cell only once it holds a lease, so a fenced replica without one can
+        never become the cell's executor. The fence lapses after FENCE_S, should the scheduler
+        that set it never come back to finish or call off the move."""
+        if name not in self.units:
+            return None
+        self.fenced[name] = time.monotonic() + FENCE_S
+        return sorted(le.lease_id for le in self.book.leases.values() if le.holder == name)
+
+    def unfence(self, name: str) -> None:
+        """The move did not happen: ``name`` may take GPUs again."""
+        self.fenced.pop(name, None)
 
     def release(self, unit: UnitRecord, lease_id: str, waited_s: float | None = None) -> bool:
         """Take a lease back. ``waited_s``: the kernel ran a cell under it, which had waited that

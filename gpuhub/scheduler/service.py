@@ -696,16 +696,52 @@ class Scheduler:
 
     async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:
         started = time.monotonic()
+        if not await self._fence(record, rep):
+            self._moves.pop(record.kernel_id, None)
+            return
         try:
             moved = await self._move_replica(record, rep, target, f"a cell waits for a GPU; {target} has one")
         except Exception:  # a background task: say what went wrong, never lose it silently
             log.exception("kernel %s: moving replica %d to %s failed", record.kernel_id, rep.id, target)
             moved = False
+        if not moved:
+            await self._unfence(rep)
         if moved:
             self.counters["migrations"] += 1
             self.migration_time.observe(time.monotonic() - started)
         else:
             self.counters["migration_failures"] += 1
+
+    async def _fence(self, record: KernelRecord, rep: ReplicaRecord) -> bool:
+        """Before a migration takes ``rep`` out of the group: its agent grants it no more GPUs, and
+        says whether it holds some now. A replica that got a GPU since the move was decided may
+        have been elected to run the waiting cell, and a group that lost its executor would abort
+        the cell: then the move is called off (False). An agent that cannot be asked cannot grant
+        either: the move goes on."""
+        node = self.nodes.get(rep.node)
+        if node is None:
+            return True
+        try:
+            _, answer = await self.call_agent(node, "POST", f"/api/v1/units/{rep.unit}/fence")
+        except ApiClientError as exc:
+            log.warning("kernel %s: could not fence replica %d on %s before moving it: %s",
+                        record.kernel_id, rep.id, rep.node, exc)
+            return True
+        if not answer.get("leases"):
+            return True
+        log.info("kernel %s: replica %d on %s got a GPU before it could be moved: it runs the cell, no move",
+                 record.kernel_id, rep.id, rep.node)
+        await self._unfence(rep)
+        return False
+
+    async def _unfence(self, rep: ReplicaRecord) -> None:
+        node = self.nodes.get(rep.node)
+        if node is None:
+            return
+        try:
+            await self.call_agent(node, "DELETE", f"/api/v1/units/{rep.unit}/fence")
+        except ApiClientError as exc:  # it stays without GPUs until its agent restarts: say so
+            log.warning("could not lift the fence of %s on %s: %s", rep.unit, rep.node, exc)
 
     async def _resend_peers(self, record: KernelRecord) -> None:
         try:

@@ -132,6 +132,27 @@ def test_a_unit_holds_one_lease_however_often_it_asks(make_agent):
     assert a.call("DELETE", f"/api/v1/leases/{second['lease_id']}", token=token)[1]["released"] is True
 
 
+def test_a_fenced_replica_gets_no_gpu_and_the_fence_says_what_it_holds(make_agent):
+    """A migration fences the replica it moves away (docs/architecture.md, "Migration"): the answer
+    lists the leases it holds (then the scheduler calls the move off), and until the fence is
+    lifted it gets no new ones, so it can never become the executor of the waiting cell."""
+    a = make_agent(gpus=2)
+    start_unit(a, gpus=1)
+    token = _lease_token(a, "gpuhub-kernel-t1")
+    held = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[1]["lease_id"]
+    status, fence = a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")
+    assert status == 200 and fence == {"unit": "gpuhub-kernel-t1", "fenced": True, "leases": [held]}
+    assert a.call("DELETE", f"/api/v1/leases/{held}", token=token)[1]["released"] is True
+    assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["leases"] == []
+    status, body = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
+    assert status == 409, body  # a GPU is free, but not for a replica on its way out
+    assert a.call("DELETE", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["fenced"] is False
+    assert a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[0] == 200
+    # The scheduler's call: the kernel's own lease token cannot fence or unfence.
+    assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence", token=token)[0] == 401
+    assert a.call("POST", "/api/v1/units/gpuhub-kernel-nosuch/fence")[0] == 404
+
+
 def _lease_token(agent, unit):
     """From the unit's environment file (the process backend writes one like systemd's)."""
     return ProcessRunner(str(agent.dir / "run"), 0).read_env(unit)["GPUHUB_LEASE_TOKEN"]

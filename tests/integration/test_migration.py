@@ -129,3 +129,39 @@ def test_a_move_whose_new_replica_dies_while_it_catches_up_still_runs_the_cell_o
         rids = tuple(r["id"] for r in record["replicas"])
         assert spare in {r["node"] for r in record["replicas"]}
         eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids)["x"] == "2", 60, "every replica at x = 2")
+
+
+def test_a_move_is_called_off_when_the_replica_to_move_got_a_gpu_meanwhile(tmp_path):
+    """Found by the 20-user load benchmark: between the scheduler's "every server is busy" and the
+    group change, the replica chosen to move got its server's GPU and was elected to run the
+    waiting cell; the move then took it out of the group and the cell waited for good. The
+    scheduler now fences the replica first (its agent grants it nothing more) and calls the move
+    off when it already holds a GPU: that replica runs the cell where it is."""
+    with one_gpu_kernel_on_four_nodes(tmp_path) as (cluster, kernel):
+        spare = spare_node(cluster, kernel)
+        tokens = {}
+        for rep in kernel.record["replicas"]:  # each replica's own lease holds its server's GPU
+            agent = cluster.agent(rep["node"])
+            tokens[rep["id"]] = ProcessRunner(str(agent.dir / "run"), 0).read_env(rep["unit"])["GPUHUB_LEASE_TOKEN"]
+            assert agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=tokens[rep["id"]])[0] == 200
+        asking = kernel.record["replicas"][0]["node"]
+        status, body = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
+                                              {"node": asking}, token=cluster.scheduler.token)
+        assert status == 202 and body["started"], body
+        moved = next(r for r in kernel.record["replicas"] if r["id"] == body["replica"])
+
+        def move_over():  # while it runs, the scheduler answers "moving"; then why it will not move now
+            status, again = cluster.scheduler_call("POST", f"/api/v1/kernels/{kernel.kernel_id}/migrate",
+                                                   {"node": asking}, token=cluster.scheduler.token)
+            return status == 409 and "moved less than" in again["error"]
+        wait_for(move_over, 30, "the scheduler to finish with the move")
+
+        assert [r["id"] for r in kernel.refresh()["replicas"]] == [r["id"] for r in kernel.record["replicas"]]
+        assert cluster.agent(spare).unit_pids() == []  # no replica was started there
+        assert "gpuhub_scheduler_migrations_total 0.0" in scheduler_metrics(cluster)
+        # The fence is lifted: the replica that was to move takes its GPU again once it gave it back.
+        agent, token = cluster.agent(moved["node"]), tokens[moved["id"]]
+        lease = agent.call("GET", "/api/v1/node")[1]["leases"][0]["lease_id"]
+        assert agent.call("DELETE", f"/api/v1/leases/{lease}", token=token)[1]["released"] is True
+        assert agent.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[0] == 200
+        ok(kernel, "x = 'still a whole group'")
