@@ -11,6 +11,7 @@
 # Every podman resource is named gpuhub-NAME-*; traffic goes only to the containers' own addresses.
 # Generated files live under .cache/NAME/ (ssh key, inventory, credentials).
 # Environment: GPUHUB_GPU_NODES (default 3), GPUHUB_FAKE_GPUS (per node, default 2),
+# GPUHUB_LOAD_USERS (extra users load01.. for `python -m bench load`, default 0),
 # GPUHUB_ANSIBLE_ARGS (extra ansible-playbook arguments for deploy).
 set -euo pipefail
 
@@ -28,6 +29,7 @@ IMAGE="localhost/gpuhub-debian:$SUITE-$RECIPE_HASH"
 
 GPU_NODES=${GPUHUB_GPU_NODES:-3}
 FAKE_GPUS=${GPUHUB_FAKE_GPUS:-2}
+LOAD_USERS=${GPUHUB_LOAD_USERS:-0}
 
 if [ -t 2 ]; then B=$'\033[1m' N=$'\033[0m'; else B='' N=''; fi
 log() { printf '%s[cluster %s]%s %s\n' "$B" "$(date +%H:%M:%S)" "$N" "$*" >&2; }
@@ -217,6 +219,10 @@ write_inventory() {
     echo "  - {name: alice, uid: 2001}"
     echo "  - {name: bob, uid: 2002}"
     echo "  - {name: carol, uid: 2003}"
+    local u
+    for ((u = 1; u <= LOAD_USERS; u++)); do
+      printf '  - {name: load%02d, uid: %d}\n' "$u" $((2100 + u))
+    done
     echo "gpuhub_hub_admin_users: [alice]"
     echo "# carol's tiny quota: tests/cluster/test_quota.py uses it up with one cell."
     echo "gpuhub_quota_users:"
