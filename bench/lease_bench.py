@@ -3,8 +3,9 @@
 Anchor in the same run: the same two requests over one bare kept-alive ``http.client`` connection
 (the transport's floor, no retry rule, no pool). A third agent enforces GPU quotas on the same
 user (docs/quotas.md: a user limit, 20 group limits it is in, 200 other users' limits), so the
-quota check's cost on every grant shows beside the others. Pairs alternate between the three, so
-machine noise falls on all alike.
+quota check's cost on every grant shows beside the others, and a fourth serves TLS with a
+certificate of a test CA, as deployed agents do (docs/security.md, "TLS"), so the cost of https over
+http shows too. Pairs alternate between them, so machine noise falls on all alike.
 
     PYTHONPATH=. .venv/bin/python -m bench lease      (GPUHUB_LEASE_PAIRS, default 300)
 """
@@ -67,19 +68,30 @@ def _client_pair(client: LeaseClient) -> None:
 
 
 def main() -> str:
+    from tests.tls_certs import TestCA
+
     pairs = int(os.environ.get("GPUHUB_LEASE_PAIRS", "300"))
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), "bench1", gpus=1).start()
         limited = AgentProcess(Path(tmp), "bench2", gpus=1).start()
+        (Path(tmp) / "tls").mkdir()
+        ca = TestCA(Path(tmp) / "tls")
+        cert = ca.server("host")
+        trust = os.environ.get("SSL_CERT_FILE")
+        os.environ["SSL_CERT_FILE"] = str(ca.cert)  # the host's trust store holds the cluster CA
+        secure = AgentProcess(Path(tmp), "bench3", gpus=1,
+                              extra={"tls_cert_file": str(cert.cert), "tls_key_file": str(cert.key)}).start()
         try:
             token = _kernel_unit_token(agent)
             client = LeaseClient(agent.url, token, agent.name)
             quota_client = LeaseClient(limited.url, _kernel_unit_token(limited, quota_view(current_user())),
                                        limited.name)
+            tls_client = LeaseClient(secure.url, _kernel_unit_token(secure), secure.name)
             bare = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=10)
             variants = (("LeaseClient (urllib3 pool)", lambda: _client_pair(client)),
                         ("bare http.client", lambda: _bare_pair(bare, token)),
-                        ("LeaseClient, agent enforcing quotas (221 limits)", lambda: _client_pair(quota_client)))
+                        ("LeaseClient, agent enforcing quotas (221 limits)", lambda: _client_pair(quota_client)),
+                        ("LeaseClient over https (kept-alive TLS connection)", lambda: _client_pair(tls_client)))
             times: dict[str, list[float]] = {label: [] for label, _ in variants}
             for _ in range(20):  # warm the connections and the agents
                 for _, pair in variants:
@@ -92,9 +104,15 @@ def main() -> str:
             bare.close()
             client.http.close()
             quota_client.http.close()
+            tls_client.http.close()
         finally:
             agent.close()
             limited.close()
+            secure.close()
+            if trust is None:
+                os.environ.pop("SSL_CERT_FILE", None)
+            else:
+                os.environ["SSL_CERT_FILE"] = trust
     anchor = statistics.median(times["bare http.client"])
     rows = []
     for label, ts in times.items():
