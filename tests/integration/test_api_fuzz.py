@@ -104,6 +104,8 @@ def test_fuzz_the_agent_api(make_agent):
         (f"/api/v1/units/{name}/key", ("GET",), st.just({})),
         (f"/api/v1/units/{name}/peers", ("PUT",), peers),
         ("/api/v1/units/{}/peers", ("PUT",), peers),
+        (f"/api/v1/units/{name}/fence", ("POST", "DELETE"), st.just({})),
+        ("/api/v1/units/{}/fence", ("POST", "DELETE"), st.just({})),
         ("/api/v1/leases", ("POST",), body_with({"gpus": None, "holder_pid": None})),
         ("/api/v1/leases/{}", ("DELETE",), st.just({})),
         ("/api/v1/migrations", ("POST",), st.just({})),
