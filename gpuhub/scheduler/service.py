@@ -532,33 +532,30 @@ class Scheduler:
                 continue
             # A drain moves one replica of a kernel per pass, and only a kernel with nothing lost and
             # its last group change sent, so each move is one membership change of a full group.
+            # A replica whose GPU cell runs (it holds a lease) is left to finish it: the fence says
+            # so, and keeps it from starting another while it moves. (A CPU cell holds no lease.)
             draining = [r for r in record.replicas if self._drained(r.node)]
-            if draining and not record.peers_pending and not await self._runs_a_cell(draining[0]):
-                await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")])
-
-    async def _runs_a_cell(self, rep: ReplicaRecord) -> bool:
-        """Whether ``rep`` holds a GPU lease now (its GPU cell runs), as its agent says now: a drain
-        lets the cell finish before it moves the replica. (A CPU cell holds no lease.)"""
-        info = await self.ask_node(rep.node)
-        if info is None:
-            return False  # the server is going: heal replaces the replica when it is lost
-        return any(isinstance(le, dict) and le.get("holder") == rep.unit for le in info.get("leases") or ())
+            if not draining or record.peers_pending or not await self._fence(record, draining[0]):
+                continue
+            if not await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")]):
+                await self._unfence(draining[0])
 
     def _note(self, record: KernelRecord, why: str) -> None:
         if self._heal_notes.get(record.kernel_id) != why:
             self._heal_notes[record.kernel_id] = why
             log.warning("kernel %s: %s", record.kernel_id, why)
 
-    async def _replace_lost(self, record: KernelRecord, lost: list[tuple[ReplicaRecord, str]]) -> None:
+    async def _replace_lost(self, record: KernelRecord, lost: list[tuple[ReplicaRecord, str]]) -> bool:
+        """Whether every replica in ``lost`` was replaced."""
         alive = len(record.replicas) - len(lost)
         if 2 * alive <= len(record.replicas):
             self._note(record, f"only {alive} of {len(record.replicas)} replicas are running; "
                                "without a majority its replicas cannot be replaced")
-            return
+            return False
         if not record.key:
             self._note(record, "its key is not in the books (placed by an older scheduler); "
                                "lost replicas cannot be replaced")
-            return
+            return False
         for rep, why in lost:
             # Never two replicas on one node; the node of a replica whose unit died may take the new one.
             others = [r.node for r in record.replicas if r is not rep and self.why_lost(r, time.time()) is None]
@@ -568,9 +565,10 @@ class Scheduler:
                                         pack=self.pool is not None)[0]
             except PlacementError as exc:
                 self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {exc}")
-                return
+                return False
             if not await self._move_replica(record, rep, target.name, why):
-                return
+                return False
+        return True
 
     async def _move_replica(self, record: KernelRecord, rep: ReplicaRecord, target: str, why: str) -> bool:
         """Replace ``rep`` by a new replica on ``target``: start it, put it in the books in ``rep``'s
@@ -697,6 +695,8 @@ class Scheduler:
     async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:
         started = time.monotonic()
         if not await self._fence(record, rep):
+            log.info("kernel %s: replica %d on %s got a GPU before it could be moved: it runs the cell, no move",
+                     record.kernel_id, rep.id, rep.node)
             self._moves.pop(record.kernel_id, None)
             return
         try:
@@ -713,11 +713,11 @@ class Scheduler:
             self.counters["migration_failures"] += 1
 
     async def _fence(self, record: KernelRecord, rep: ReplicaRecord) -> bool:
-        """Before a migration takes ``rep`` out of the group: its agent grants it no more GPUs, and
-        says whether it holds some now. A replica that got a GPU since the move was decided may
-        have been elected to run the waiting cell, and a group that lost its executor would abort
-        the cell: then the move is called off (False). An agent that cannot be asked cannot grant
-        either: the move goes on."""
+        """Before a migration or a drain takes ``rep`` out of the group: its agent grants it no more
+        GPUs, and says whether it holds some now. A replica that holds a GPU runs a cell, or may
+        have been elected to run the waiting one since the move was decided, and a group that lost
+        its executor would abort the cell: then the fence is lifted and the move is off (False).
+        An agent that cannot be asked cannot grant either: the move goes on (True)."""
         node = self.nodes.get(rep.node)
         if node is None:
             return True
@@ -729,8 +729,6 @@ class Scheduler:
             return True
         if not answer.get("leases"):
             return True
-        log.info("kernel %s: replica %d on %s got a GPU before it could be moved: it runs the cell, no move",
-                 record.kernel_id, rep.id, rep.node)
         await self._unfence(rep)
         return False
 

@@ -226,18 +226,21 @@ async def test_a_drain_lets_a_running_gpu_cell_finish_before_its_replica_moves(t
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
     s.set_drained("a", True)
     started, stopped = stub_agents(s, monkeypatch)
-    leases = [{"lease_id": "l1", "holder": "gpuhub-kernel-k1-r0", "gpus": [0]}]
+    leases, calls = ["l1"], []
 
-    async def agent(method, url, token, body=None, timeout=20.0):
-        assert (method, url) == ("GET", "http://a.invalid/api/v1/node")
-        return 200, {"leases": leases}
+    async def agent(method, url, token, body=None, timeout=20.0):  # a's agent: the fence and its lifting
+        calls.append((method, url))
+        assert url == "http://a.invalid/api/v1/units/gpuhub-kernel-k1-r0/fence"
+        return 200, {"unit": "gpuhub-kernel-k1-r0", "fenced": method == "POST", "leases": list(leases)}
 
     monkeypatch.setattr(service, "call_json", agent)
     await s.heal()
-    assert started == [] and stopped == []  # its cell runs: it stays
+    assert started == [] and stopped == []  # its cell runs: it stays, and may take GPUs again
+    assert [m for m, _ in calls] == ["POST", "DELETE"]
     leases.clear()
     await s.heal()
     assert started == ["d"] and stopped == ["a"]
+    assert [m for m, _ in calls] == ["POST", "DELETE", "POST"]  # fenced until it is stopped
     assert {r.node for r in record.replicas} == {"b", "c", "d"}
 
 
