@@ -142,8 +142,8 @@ class UnitHandler(AgentHandler):
 
 class FenceHandler(AgentHandler):
     def post(self, name: str) -> None:
-        """The scheduler is about to move this replica away (a migration): no new GPU leases for
-        it; the answer lists those it holds now (then the move is called off)."""
+        """The scheduler is about to move this replica away (a migration, a drain): no new GPU
+        leases for it; the answer lists those it holds now (then the move is called off)."""
         held = self.agent.fence(name)
         if held is None:
             raise ApiError(404, f"no unit {name}")

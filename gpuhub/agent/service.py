@@ -51,12 +51,12 @@ log = logging.getLogger(__name__)
 
 # The end of a stopped unit's log that GET /api/v1/units/{name} shows (its start error, mostly).
 ERROR_LINES = 20
-# How long a migration's fence on a replica holds (Agent.fence): longer than a move takes (start
+ERROR_CHARS = 4000
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+# How long a move's fence on a replica holds (Agent.fence): longer than a move takes (start
 # the new replica, change the group, stop the old one), short enough that a lost "call it off"
 # costs that replica its GPUs for a few minutes at most.
 FENCE_S = 180.0
-ERROR_CHARS = 4000
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
 
 class Agent:
@@ -404,9 +404,9 @@ class Agent:
         return lease
 
     def fence(self, name: str) -> list[str] | None:
-        """Grant no more GPUs to unit ``name``, which a migration is about to take out of its
-        kernel's group; the leases it holds now (a replica holding one may have been elected to run
-        the waiting cell, and must not be moved), or None when there is no such unit. A replica
+        """Grant no more GPUs to unit ``name``, which a migration or a drain is about to take out of
+        its kernel's group; the leases it holds now (a replica holding one runs a cell, or may have
+        been elected to run the waiting one, and must not be moved), or None when there is no such unit. A replica
         proposes to run a cell only once it holds a lease, so a fenced replica without one can
         never become the cell's executor. The fence lapses after FENCE_S, should the scheduler
         that set it never come back to finish or call off the move."""

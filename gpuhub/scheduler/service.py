@@ -704,13 +704,12 @@ class Scheduler:
         except Exception:  # a background task: say what went wrong, never lose it silently
             log.exception("kernel %s: moving replica %d to %s failed", record.kernel_id, rep.id, target)
             moved = False
-        if not moved:
-            await self._unfence(rep)
         if moved:
             self.counters["migrations"] += 1
             self.migration_time.observe(time.monotonic() - started)
         else:
             self.counters["migration_failures"] += 1
+            await self._unfence(rep)
 
     async def _fence(self, record: KernelRecord, rep: ReplicaRecord) -> bool:
         """Before a migration or a drain takes ``rep`` out of the group: its agent grants it no more
