@@ -174,6 +174,10 @@ class _Replica:
     connected: set[str] = field(default_factory=set)  # channels whose ZMTP handshake succeeded
     welcomed: bool = False  # the replica's iopub welcomed our subscription: outputs will reach us
     last_execute: str | None = None  # the msg_id of the last execute_request it got from us
+    # The running cell's msg_id when this replica's shell connection dropped after we sent it that
+    # cell: the copy may have died with the connection (a process killed and restarted at that
+    # moment), so it is handed the cell again once it is back (_hand_running).
+    lost_running: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -501,6 +505,9 @@ class KernelRouter:
                 rep.connected.discard(channel)
                 if channel == "iopub_port":
                     rep.welcomed = False  # a new connection is welcomed again
+                running = self._running
+                if channel in ("shell_port", "control_port") and running is not None and rep.id in running.sent_to:
+                    rep.lost_running = running.msg_id
 
     async def _subscriptions(self) -> None:
         """Welcome each new iopub subscription (JEP 65), as ipykernel 7 does: signed, on its topic."""
@@ -711,17 +718,22 @@ class KernelRouter:
         offer to run it. It hears that it missed the last cell (so it catches up first) and which
         replicas got this one (whether the lease holder can run it)."""
         running = self._running
-        if (running is None or rep.id in running.sent_to or not rep.ready or self._stopped
-                or self._replicas.get(rep.id) is not rep):
+        if running is None or not rep.ready or self._stopped or self._replicas.get(rep.id) is not rep:
+            return
+        again = rep.id in running.sent_to
+        if again and rep.lost_running != running.msg_id:
             return
         to = sorted(running.sent_to | {rep.id})
+        # "late": the others were told who got this cell before this replica did; if it holds the
+        # lease, it must not run the cell under it (they may be electing another replica already).
         await self._send_note(rep, "control_port", {"cell": running.msg_id, "to": to})
-        await self._send_note(rep, "shell_port", {"cell": running.msg_id, "missed": True})
-        if self._running is running and rep.id not in running.sent_to and await self._send(
+        await self._send_note(rep, "shell_port", {"cell": running.msg_id, "missed": True, "late": True})
+        if self._running is running and await self._send(
                 rep.sockets.get("shell_port"), running.frames, f"replica {rep.id}"):
             running.sent_to.add(rep.id)
-            rep.last_execute = running.msg_id
-            self.log.info("replica %s joined while %s runs: it got that cell too", rep.id, running.msg_id)
+            rep.last_execute, rep.lost_running = running.msg_id, None
+            self.log.info("replica %s %s while %s runs: it got that cell %s", rep.id,
+                          "came back" if again else "joined", running.msg_id, "again" if again else "too")
 
     async def _send_note(self, rep: _Replica, channel: str, content: dict) -> None:
         """A dispatch note (gpuhub/platform/messages.py) to one replica, signed with the kernel's key."""

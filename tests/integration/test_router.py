@@ -88,6 +88,13 @@ class Replicas:
         p.send_signal(signal.SIGKILL)
         p.wait(5)
 
+    def restart(self, rid: int) -> None:
+        """Kill the replica and start a new process on the same ports, as systemd's Restart= does."""
+        self.kill(rid)
+        old = self.procs[rid]
+        self.procs[rid] = subprocess.Popen(old.args, env=dict(os.environ, IPYTHONDIR=str(self.tmp / "ipython-restart")),
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def interrupt_all(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -404,6 +411,27 @@ async def test_a_cell_sent_while_no_replica_takes_requests_runs_once_they_do(rou
     out = {m["content"]["text"] for m in await _drain_iopub(kc, msg_id) if m["msg_type"] == "stream"}
     assert out == {"after the restart\n"}, out
     assert caplog.text.count(f"no live replica took execute_request {msg_id}") == 1  # not at every retry
+
+
+async def test_a_replica_restarted_while_a_cell_runs_gets_that_cell_again(routed, replicas, tmp_path, caplog):
+    """A replica process killed and started again on its ports (systemd's Restart=) just as a cell
+    was sent: the copy the router had sent died with the old process, and the others waited for it
+    for good (found by tests/integration/test_durable_blobs.py failing once in a few runs). The
+    router hands the running cell again to a replica whose connection broke after it was sent."""
+    _, _, kc = routed
+    caplog.set_level(logging.INFO, logger="gpuhub.server.router")
+    gate = tmp_path / "gate"
+    msg_id = kc.execute(f"import os, time\nopen({str(gate)!r} + '.' + str(os.getpid()), 'w').close()\n"
+                        f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.05)\nprint('done')")
+    started = lambda: len(list(tmp_path.glob("gate.*")))  # noqa: E731 - the replicas that run the cell
+    assert await _wait_for(lambda: started() == 3, 30)
+    replicas.restart(1)
+    assert await _wait_for(lambda: f"replica 1 came back while {msg_id} runs: it got that cell again" in caplog.text,
+                           30), caplog.text[-2000:]
+    assert await _wait_for(lambda: started() == 4, 30)  # the new process runs it too (plain ipykernel)
+    gate.touch()
+    reply = await _reply_to(kc, msg_id)
+    assert reply["content"]["status"] == "ok", reply
 
 
 async def test_a_welcomed_replica_that_never_echoes_a_heartbeat_is_dead_after_the_timeout(replicas):
