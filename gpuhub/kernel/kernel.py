@@ -309,6 +309,13 @@ class GpuhubKernel(IPythonKernel):
             return self._follow(ended, code, store_history, silent)
         if begun or holder is None:
             return None
+        if holder == rep.id and self._note(cell).get("late"):
+            # Handed this cell after the others (it joined, or its connection to the router broke
+            # as the cell was sent): they may have been told the holder would not get it and be
+            # electing another replica. Running under the lease beside that one would run the
+            # cell twice; the election picks this replica anyway if it can run it.
+            log.debug("cell %s: handed late to the lease holder: an election", cell)
+            return None
         if holder == rep.id:
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
             asked = time.monotonic()
@@ -341,6 +348,8 @@ class GpuhubKernel(IPythonKernel):
             note = self._notes.setdefault(cell, {})
             if content.get("missed"):
                 note["missed"] = True
+            if content.get("late"):
+                note["late"] = True
             if isinstance(content.get("to"), list):
                 note["to"] = [int(r) for r in content["to"]]
             while len(self._notes) > 64:  # notes of cells this replica never got

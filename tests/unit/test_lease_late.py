@@ -1,0 +1,44 @@
+"""The executor lease and a cell handed late (GpuhubKernel._run_under_lease). The router hands a
+running cell to a replica that joined the group, or whose connection broke as the cell was sent,
+after the others were told who got it. If that replica holds the lease, the others may already be
+electing another one (they were told the holder would not get the cell): running it under the lease
+too ran the cell twice (its output came twice in tests/integration/test_durable_blobs.py, once in a
+few runs). A late holder goes through the election instead, which picks it when it can run the cell."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from gpuhub.kernel.kernel import GpuhubKernel
+
+
+class Kernel(SimpleNamespace):
+    """What _run_under_lease uses of a kernel, with the cell's run recorded instead of done."""
+
+    _note = GpuhubKernel._note
+    _run_under_lease = GpuhubKernel._run_under_lease
+
+    def __init__(self, note: dict) -> None:
+        super().__init__(_notes={"cell": note}, gpus=0, reaper=SimpleNamespace(wait=lambda: None),
+                         _try_grant=lambda: None, ran=[])
+
+    async def _execute_here(self, cell, attempt, grant, *args):
+        self.ran.append(cell)
+        return {"status": "ok"}
+
+
+def under_lease(note: dict) -> tuple[object, list[str]]:
+    kernel = Kernel(note)
+    holder = SimpleNamespace(id=0, lease=lambda cell: (None, 0, False))  # it holds the lease, no election yet
+    result = asyncio.run(kernel._run_under_lease(holder, "cell", "x = 1", False, True, {}, False, None, None))
+    return result, kernel.ran
+
+
+def test_the_holder_runs_a_cell_it_got_with_the_others_under_its_lease():
+    assert under_lease({}) == ({"status": "ok"}, ["cell"])
+    assert under_lease({"missed": True, "to": [0, 1, 2]}) == ({"status": "ok"}, ["cell"])
+
+
+def test_a_holder_handed_the_cell_late_leaves_it_to_the_election():
+    assert under_lease({"missed": True, "late": True, "to": [0, 1, 2]}) == (None, [])
