@@ -15,6 +15,7 @@ from tests.integration.test_replicated import (
     assert_equal_namespaces,
     cpu_kernel,  # noqa: F401 - fixture
     dev_cluster,  # noqa: F401 - fixture
+    eventually,
     live_replicas,
     ok,
 )
@@ -56,7 +57,9 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
         # The cell waits until its replica has caught up: the journal, then the large values.
         out = ok(kernel, "print(int(big.sum()), x, small[-1])", timeout=120)
         assert out["stdout"].split() == [str(3 * sum(range(2_000_000))), "1", "9"], out
-        view = assert_equal_namespaces(kernel, ["x", "big", "small"], tuple(rids))
+        # A replica that was still catching up when the cell ran loads the image after it.
+        view = eventually(lambda: assert_equal_namespaces(kernel, ["x", "big", "small"], tuple(rids)), 60,
+                          "every replica's namespace to hold the values again")
         assert " ".join(view["big"].split()).startswith("[ 0 3 6"), view
     finally:
         for p in procs:
