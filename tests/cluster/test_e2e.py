@@ -432,6 +432,7 @@ def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
     local monitoring tests stand in a stub for the hub: here it is the real one)."""
     agents = set(cluster.groups["gpu_nodes"]) | set(cluster.groups["notebook_hosts"])
     expected = {"gpuhub-agent": len(agents), "gpuhub-scheduler": 1, "jupyterhub": 1}
+    seen: list = []  # the last answer, for the failure message
 
     def scraped():
         r = http_session(cluster).get(f"http://{cluster.hub}:9090/api/v1/query",
@@ -439,10 +440,11 @@ def test_prometheus_scrapes_every_agent_the_scheduler_and_the_hub(cluster):
                                       timeout=10)
         r.raise_for_status()
         series = r.json()["data"]["result"]
+        seen[:] = [(s["metric"].get("job"), s["metric"].get("instance"), s["value"][1]) for s in series]
         up = {job: sum(s["metric"]["job"] == job and s["value"][1] == "1" for s in series) for job in expected}
         return up if up == expected else None
 
-    assert wait_for(scraped, 45, interval=3), f"expected these targets up: {expected}"
+    assert wait_for(scraped, 45, interval=3), f"expected these targets up: {expected}; Prometheus said {seen}"
 
     # alice's GPU cells above are in the agents' wait histogram, her kernel in the scheduler's.
     def counted(expr: str):
