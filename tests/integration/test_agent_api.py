@@ -10,6 +10,7 @@ import pytest
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
+from gpuhub.dev.portblocks import reserve_block
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import connect, run
 
@@ -188,17 +189,21 @@ def test_agent_restart_keeps_units_and_leases(make_agent):
 
 
 def test_kernel_ports_come_from_the_configured_range_and_are_not_handed_out_twice(make_agent):
-    agent = make_agent(extra={"kernel_ports": [28000, 28013]})  # room for exactly two kernel units
-    names = [f"gpuhub-kernel-k{i}-r0" for i in range(3)]
-    body = {"kind": "kernel", "user": current_user(), "gpus": 0, "kernel": {"key": "k", "kernel_id": "k"}}
-    ports = []
-    for name in names[:2]:
-        status, unit = agent.call("POST", "/api/v1/units", {"name": name, **body})
-        assert status == 201, unit
-        ports += [v for k, v in unit["connection"].items() if k.endswith("_port")]
-    assert sorted(ports) == list(range(28000, 28014))
-    status, err = agent.call("POST", "/api/v1/units", {"name": names[2], **body})
-    assert status >= 400 and "no 7 free kernel ports left in 28000-28013" in err["error"]
+    # The range lies in a port block this test holds (gpuhub/dev/portblocks.py): a fixed range
+    # (28000-28013 once) met ports that other agents' replicas on this machine still held.
+    with reserve_block() as block:
+        lo, hi = block.first, block.first + 13  # room for exactly two kernel units
+        agent = make_agent(extra={"kernel_ports": [lo, hi]})
+        names = [f"gpuhub-kernel-k{i}-r0" for i in range(3)]
+        body = {"kind": "kernel", "user": current_user(), "gpus": 0, "kernel": {"key": "k", "kernel_id": "k"}}
+        ports = []
+        for name in names[:2]:
+            status, unit = agent.call("POST", "/api/v1/units", {"name": name, **body})
+            assert status == 201, unit
+            ports += [v for k, v in unit["connection"].items() if k.endswith("_port")]
+        assert sorted(ports) == list(range(lo, hi + 1))
+        status, err = agent.call("POST", "/api/v1/units", {"name": names[2], **body})
+        assert status >= 400 and f"no 7 free kernel ports left in {lo}-{hi}" in err["error"]
 
 
 def test_a_dead_unit_shows_the_end_of_its_log_without_its_secrets(make_agent):
