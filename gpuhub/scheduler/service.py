@@ -535,7 +535,7 @@ class Scheduler:
             # A replica whose GPU cell runs (it holds a lease) is left to finish it: the fence says
             # so, and keeps it from starting another while it moves. (A CPU cell holds no lease.)
             draining = [r for r in record.replicas if self._drained(r.node)]
-            if not draining or record.peers_pending or not await self._fence(record, draining[0]):
+            if not draining or record.peers_pending or not await self._fence(draining[0]):
                 continue
             if not await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")]):
                 await self._unfence(draining[0])
@@ -694,7 +694,7 @@ class Scheduler:
 
     async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:
         started = time.monotonic()
-        if not await self._fence(record, rep):
+        if not await self._fence(rep):
             log.info("kernel %s: replica %d on %s got a GPU before it could be moved: it runs the cell, no move",
                      record.kernel_id, rep.id, rep.node)
             self._moves.pop(record.kernel_id, None)
@@ -711,34 +711,33 @@ class Scheduler:
             self.counters["migration_failures"] += 1
             await self._unfence(rep)
 
-    async def _fence(self, record: KernelRecord, rep: ReplicaRecord) -> bool:
+    async def _fence(self, rep: ReplicaRecord) -> bool:
         """Before a migration or a drain takes ``rep`` out of the group: its agent grants it no more
         GPUs, and says whether it holds some now. A replica that holds a GPU runs a cell, or may
         have been elected to run the waiting one since the move was decided, and a group that lost
         its executor would abort the cell: then the fence is lifted and the move is off (False).
         An agent that cannot be asked cannot grant either: the move goes on (True)."""
-        node = self.nodes.get(rep.node)
-        if node is None:
-            return True
-        try:
-            _, answer = await self.call_agent(node, "POST", f"/api/v1/units/{rep.unit}/fence")
-        except ApiClientError as exc:
-            log.warning("kernel %s: could not fence replica %d on %s before moving it: %s",
-                        record.kernel_id, rep.id, rep.node, exc)
-            return True
-        if not answer.get("leases"):
+        answer = await self._call_unit(rep, "POST", "/fence", "fence (before moving it)")
+        if not answer or not answer.get("leases"):
             return True
         await self._unfence(rep)
         return False
 
     async def _unfence(self, rep: ReplicaRecord) -> None:
+        await self._call_unit(rep, "DELETE", "/fence", "lift the fence (it lapses by itself in minutes) of")
+
+    async def _call_unit(self, rep: ReplicaRecord, method: str, suffix: str, what: str) -> dict | None:
+        """``method /api/v1/units/<rep's unit><suffix>`` on the agent of ``rep``'s server: its
+        answer, or None when the server is gone from the books or the call failed (logged: "could
+        not <what> <unit>")."""
         node = self.nodes.get(rep.node)
         if node is None:
-            return
+            return None
         try:
-            await self.call_agent(node, "DELETE", f"/api/v1/units/{rep.unit}/fence")
-        except ApiClientError as exc:  # it stays without GPUs until its agent restarts: say so
-            log.warning("could not lift the fence of %s on %s: %s", rep.unit, rep.node, exc)
+            return (await self.call_agent(node, method, f"/api/v1/units/{rep.unit}{suffix}"))[1]
+        except ApiClientError as exc:
+            log.warning("could not %s %s on %s: %s", what, rep.unit, rep.node, exc)
+            return None
 
     async def _resend_peers(self, record: KernelRecord) -> None:
         try:
@@ -750,13 +749,7 @@ class Scheduler:
         self.save()
 
     async def _stop_replica(self, rep: ReplicaRecord) -> None:
-        node = self.nodes.get(rep.node)
-        if node is None:
-            return
-        try:
-            await self.call_agent(node, "DELETE", f"/api/v1/units/{rep.unit}")
-        except ApiClientError as exc:
-            log.warning("could not stop %s on %s: %s", rep.unit, rep.node, exc)
+        await self._call_unit(rep, "DELETE", "", "stop")
 
     def heard_from_owner(self, kernel_id: str) -> None:
         """The kernel's user asked about it (their server polls it while it runs)."""

@@ -716,7 +716,8 @@ class KernelRouter:
         once it is ready: the cell may be waiting for a GPU that only the newcomer's server has
         free (every other replica's server is busy), and only a replica that got the cell can
         offer to run it. It hears that it missed the last cell (so it catches up first) and which
-        replicas got this one (whether the lease holder can run it)."""
+        replicas got this one (whether the lease holder can run it). A replica whose connection
+        broke after the cell was sent to it (``lost_running``) gets it again the same way."""
         running = self._running
         if running is None or not rep.ready or self._stopped or self._replicas.get(rep.id) is not rep:
             return

@@ -115,7 +115,7 @@ async def test_a_drained_servers_replicas_move_before_it_is_released(tmp_path, h
     assert plan.release == ("a",) and states(s)["a"] == "lent"
 
 
-async def _holds_no_gpu(record, rep) -> bool:
+async def _holds_no_gpu(rep) -> bool:
     """The agent's answer to the fence (Scheduler._fence): the replica runs no GPU cell, it may move."""
     return True
 
