@@ -176,8 +176,14 @@ class QuotaGate:
                                        f"resets {RESETS}", "gpu_hours")
             if lim.get("gpus") is not None:
                 cap = lim["gpus"]
-                held = sum(g for k, g in (lim.get("held_elsewhere") or {}).items() if k != kernel_id)
-                held += sum(len(le.gpus) for le in leases if le.user in members and le.kernel_id != kernel_id)
+                # Per kernel, the most it is seen holding, never the sum: a kernel runs one cell at a
+                # time, and a replica that lost the election may still show a grant it is giving back
+                # (here, or in another server's last heartbeat).
+                by_kernel = {k: g for k, g in (lim.get("held_elsewhere") or {}).items() if k != kernel_id}
+                for le in leases:
+                    if le.user in members and le.kernel_id != kernel_id:
+                        by_kernel[le.kernel_id] = max(by_kernel.get(le.kernel_id, 0), len(le.gpus))
+                held = sum(by_kernel.values())
                 if held + gpus > cap:
                     whose = f"{lim['name']}" if group else "you"
                     if gpus > cap:

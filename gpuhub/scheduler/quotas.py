@@ -102,6 +102,18 @@ class LiveLease:
     granted_at: float
 
 
+def held_by_kernel(members: Iterable[str], leases: Iterable[LiveLease], exclude_node: str = "") -> dict[str, int]:
+    """GPUs ``members``' kernels hold, per kernel: the most any one of its leases holds. A kernel runs
+    one cell at a time; the replicas that lost a cell's election give back the grants they got, but
+    their servers' last heartbeats may still show them, and those must not count twice."""
+    members = set(members)
+    held: dict[str, int] = {}
+    for le in leases:
+        if le.user in members and le.node != exclude_node:
+            held[le.kernel_id] = max(held.get(le.kernel_id, 0), le.gpus)
+    return held
+
+
 class UsageLedger:
     """GPU-seconds of ended leases per week and user, extra GPU-hours granted by admins, and the last
     usage batch applied per server (so a batch sent again after a lost answer counts once)."""
@@ -190,12 +202,8 @@ class Quotas:
                 extra[user] = self.extra_hours(user, now)
         out = []
         for limit in limits.values():
-            held: dict[str, int] = {}
-            for le in leases:
-                if le.user in limit.members and le.node != node:
-                    held[le.kernel_id] = held.get(le.kernel_id, 0) + le.gpus
             out.append({**limit.to_dict(), "used_s": self.used_s(limit.members, now, leases, exclude_node=node),
-                        "held_elsewhere": held})
+                        "held_elsewhere": held_by_kernel(limit.members, leases, exclude_node=node)})
         return {"week": week_key(now), "week_start": week_start(now), "users": sorted(users), "limits": out,
                 "extra_hours": extra}
 
@@ -208,10 +216,10 @@ class Quotas:
             hours = None if limit.gpu_hours is None else limit.gpu_hours + extra
             limits.append({**limit.to_dict(), "gpu_hours": hours,
                            "gpu_hours_used": round(self.used_s(limit.members, now, leases) / 3600, 4),
-                           "gpus_held": sum(le.gpus for le in leases if le.user in limit.members)})
+                           "gpus_held": sum(held_by_kernel(limit.members, leases).values())})
         return {"user": user, "week": week_key(now), "resets": RESETS,
                 "gpu_hours_used": round(self.used_s({user}, now, leases) / 3600, 4),
-                "gpus_held": sum(le.gpus for le in leases if le.user == user),
+                "gpus_held": sum(held_by_kernel({user}, leases).values()),
                 "extra_gpu_hours": extra, "limits": limits}
 
     def users(self, now: float, leases: list[LiveLease], others: Iterable[str] = ()) -> list[str]:

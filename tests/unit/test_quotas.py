@@ -125,6 +125,22 @@ def test_the_gate_counts_a_groups_members_and_other_kernels_only_against_gpus_at
         gate.check("alice", "k9", 3, [], meter, TUESDAY)
 
 
+def test_a_kernel_seen_holding_on_two_servers_counts_once():
+    # A replica that lost a cell's election gives its grant back, but its server's last heartbeat may
+    # still show it beside the winner's: one kernel, one cell, its GPUs counted once (the CI failure
+    # "you already hold 2 of your 1").
+    q = Quotas(QuotaPolicy(users={"alice": {"gpus": 1}}))
+    leases = [LiveLease("gpu2", "alice", "busy", 1, TUESDAY - 2), LiveLease("gpu3", "alice", "busy", 1, TUESDAY - 1)]
+    (lim,) = q.node_view("gpu1", {"alice"}, TUESDAY, leases)["limits"]
+    assert lim["held_elsewhere"] == {"busy": 1}
+    assert q.status("alice", TUESDAY, leases)["gpus_held"] == 1
+    gate, meter = QuotaGate(), UsageMeter()
+    gate.update(view([{**lim, "used_s": 0}]))
+    with pytest.raises(QuotaRefused) as err:
+        gate.check("alice", "other", 1, [lease("alice", "busy", 1, TUESDAY - 2)], meter, TUESDAY)
+    assert "you already hold 1 of your 1 at once in other kernels" in str(err.value)
+
+
 def test_a_new_kernels_limits_are_merged_into_the_view_by_name():
     gate = QuotaGate()
     gate.merge(view([{"name": "alice", "members": ["alice"], "gpus": 1}]))
