@@ -309,6 +309,39 @@ def test_a_cell_sees_neither_other_users_processes_nor_their_homes(cluster, alic
     assert not sees_pid1 and not writes_usr
 
 
+def test_every_daemon_runs_in_the_shared_sandbox_and_only_the_agent_keeps_the_gpus(cluster):
+    """roles/systemd_hardening's drop-in, as systemd applies it on every host: the daemons run (or,
+    for the certificate metric's one-shot, ran) in it; the agent alone sees the host's devices and
+    has no device allow-list (ProtectClock would make one, closing /dev/nvidia* to NVML)."""
+    everywhere = sorted(cluster.hosts)
+    units = {"gpuhub-scheduler.service": cluster.groups["hub"], "jupyterhub.service": cluster.groups["hub"],
+             "configurable-http-proxy.service": cluster.groups["hub"],
+             "gpuhub-agent.service": cluster.groups["gpu_nodes"],
+             "prometheus.service": cluster.groups["monitoring"],
+             "prometheus-alertmanager.service": cluster.groups["monitoring"],
+             "prometheus-node-exporter.service": everywhere, "gpuhub-cert-metrics.service": everywhere}
+    keys = ("DropInPaths,ActiveState,Result,NoNewPrivileges,ProtectSystem,RestrictSUIDSGID,ProtectKernelTunables,"
+            "PrivateDevices,ProtectClock,DevicePolicy,DeviceAllow,SystemCallErrorNumber")
+    checked = 0
+    for unit, hosts in units.items():
+        for host in hosts:
+            out = cluster.exec(host, "systemctl", "show", "-p", keys, unit)
+            props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+            assert f"/{unit}.d/gpuhub-hardening.conf" in props["DropInPaths"], (host, unit, props)
+            assert props["Result"] == "success", (host, unit, props)
+            if unit != "gpuhub-cert-metrics.service":
+                assert props["ActiveState"] == "active", (host, unit, props)
+            assert (props["NoNewPrivileges"], props["ProtectSystem"], props["RestrictSUIDSGID"],
+                    props["ProtectKernelTunables"]) == ("yes", "strict", "yes", "yes"), (host, unit, props)
+            keeps_devices = unit == "gpuhub-agent.service"
+            assert (props["PrivateDevices"] == "no") == keeps_devices, (host, unit, props)
+            assert (props["ProtectClock"] == "no") == keeps_devices, (host, unit, props)
+            if keeps_devices:
+                assert props["DevicePolicy"] == "auto" and not props.get("DeviceAllow"), (host, props)
+            checked += 1
+    assert checked >= 3 + len(cluster.groups["gpu_nodes"]) + 2 + 2 * len(everywhere)
+
+
 def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
     bob = HubUser(cluster, "bob")
     bob.login()

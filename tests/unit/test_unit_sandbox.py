@@ -1,0 +1,115 @@
+"""Every systemd service gpuhub installs or tightens gets its sandbox from one template
+(roles/systemd_hardening), so the settings cannot drift apart between roles; what a unit needs
+beyond it is declared where the role includes it. Rendered here with Ansible's own templating; the
+cluster tests read the same settings back from systemd (tests/cluster/test_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "systemd_hardening"
+# Debian's (or Grafana's) own units that the roles tighten with a drop-in.
+PACKAGED = {"prometheus.service", "prometheus-alertmanager.service", "prometheus-node-exporter.service",
+            "grafana-server.service"}
+# Always on, whatever the unit declares.
+FIXED = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes", "ProtectKernelTunables": "yes",
+         "ProtectKernelModules": "yes", "ProtectKernelLogs": "yes", "ProtectControlGroups": "yes",
+         "ProtectHostname": "yes", "RestrictRealtime": "yes", "RestrictSUIDSGID": "yes", "RestrictNamespaces": "yes",
+         "LockPersonality": "yes", "SystemCallArchitectures": "native"}
+# Settings through which systemd closes devices (a device allow-list or a private /dev).
+CLOSES_DEVICES = {"PrivateDevices": "yes", "ProtectClock": "yes"}
+
+
+def _tasks(items):
+    for task in items or []:
+        yield task
+        for key in ("block", "rescue", "always"):
+            yield from _tasks(task.get(key))
+
+
+def sandboxes() -> dict[str, dict]:
+    """unit -> the variables its role includes systemd_hardening with."""
+    found = {}
+    for path in sorted((ROOT / "roles").glob("*/tasks/*.yml")):
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            include = task.get("ansible.builtin.include_role") or {}
+            if include.get("name") == "systemd_hardening":
+                variables = task["vars"]
+                assert variables["systemd_hardening_unit"] not in found, f"{path}: a second sandbox"
+                found[variables["systemd_hardening_unit"]] = variables
+    return found
+
+
+def render(variables: dict) -> dict[str, str]:
+    """The drop-in's settings, as the template module would write them."""
+    context = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
+               **yaml.safe_load((ROOT / "roles/gpuhub_common/defaults/main.yml").read_text()),
+               "alertmanager_storage_dir": "/var/lib/prometheus/alertmanager", "ansible_managed": "managed"}
+    templar = Templar(loader=DataLoader(), variables=context)
+
+    def value(v):
+        if isinstance(v, list):
+            return [value(item) for item in v]
+        return templar.template(trust_as_template(v)) if isinstance(v, str) else v
+
+    context.update({k: value(v) for k, v in variables.items()})
+    text = Templar(loader=DataLoader(), variables=context).template(
+        trust_as_template((ROLE / "templates" / "hardening.conf.j2").read_text()))
+    settings = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            assert key not in settings, f"{key} written twice"
+            settings[key] = value
+    return settings
+
+
+def test_every_service_the_roles_install_or_tighten_has_the_sandbox():
+    installed = {p.name.removesuffix(".j2") for p in (ROOT / "roles").glob("*/templates/*.service.j2")}
+    assert len(installed) >= 5
+    assert installed | PACKAGED <= set(sandboxes()), "a service without roles/systemd_hardening's drop-in"
+
+
+def test_no_unit_file_carries_a_sandbox_of_its_own():
+    keys = set(render({"systemd_hardening_unit": "x.service"}))
+    for path in (ROOT / "roles").glob("*/templates/*.service.j2"):
+        own = {line.split("=", 1)[0] for line in path.read_text().splitlines() if "=" in line} & keys
+        assert not own, f"{path.relative_to(ROOT)} sets {sorted(own)}: declare them where it includes systemd_hardening"
+
+
+@pytest.mark.parametrize("unit", sorted(sandboxes()))
+def test_each_sandbox_keeps_the_fixed_settings(unit):
+    settings = render(sandboxes()[unit])
+    assert {k: settings.get(k) for k in FIXED} == FIXED
+    assert settings["UMask"] in ("0077", "0027", "0022")
+    assert "{" not in settings.get("ReadWritePaths", "")
+    if settings.get("SystemCallFilter"):
+        assert settings["SystemCallErrorNumber"] == "EPERM"  # an unexpected call fails, it does not kill
+
+
+def test_the_agent_can_open_the_gpus_and_the_other_daemons_cannot():
+    # ProtectClock= puts a device allow-list in force: on a cgroup v2 host it would close /dev/nvidia*
+    # to the agent, and NVML with it.
+    for unit, variables in sandboxes().items():
+        settings = render(variables)
+        closes = {k for k, v in CLOSES_DEVICES.items() if settings[k] == v}
+        assert not {"DeviceAllow", "DevicePolicy"} & set(settings)
+        if unit == "gpuhub-agent.service":
+            assert not closes, settings
+        else:
+            assert closes == set(CLOSES_DEVICES), f"{unit} keeps the host's devices"
+
+
+def test_only_the_agent_and_the_proxy_keep_capabilities():
+    kept = {unit: render(v)["CapabilityBoundingSet"] for unit, v in sandboxes().items()}
+    assert kept.pop("gpuhub-agent.service").split() == ["CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE",
+                                                         "CAP_DAC_READ_SEARCH", "CAP_KILL"]
+    assert kept.pop("configurable-http-proxy.service") == "CAP_NET_BIND_SERVICE"
+    assert kept.pop("gpuhub-cert-metrics.service").split() == ["CAP_DAC_READ_SEARCH", "CAP_DAC_OVERRIDE"]
+    assert set(kept.values()) == {""}
