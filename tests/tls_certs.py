@@ -1,5 +1,5 @@
 """Test certificates: a CA and server certificates it signs, as the roles make them for a cluster
-(roles/gpuhub_common/tasks/tls.yml), written as PEM files."""
+(roles/gpuhub/tasks/tls.yml), written as PEM files."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from gpuhub.platform.http_client import ApiClientError, call_json_sync
 from gpuhub.platform.tls import local_api_url
 
 DEFAULT_CONFIG = "/etc/gpuhub/scheduler.toml"
-CLIENT_CONFIG = "/etc/gpuhub/client.toml"  # every host's: where the scheduler is (roles/gpuhub_common)
+CLIENT_CONFIG = "/etc/gpuhub/client.toml"  # every host's: where the scheduler is (roles/gpuhub)
 
 
 class StatusError(Exception):

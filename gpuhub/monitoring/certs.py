@@ -1,7 +1,7 @@
 """When the TLS certificates gpuhub serves expire, as a node_exporter text file (docs/monitoring.md).
 
 ``python -m gpuhub.monitoring.certs --output /var/lib/prometheus/node-exporter/gpuhub-certs.prom
-CERT…`` runs from a systemd timer on every gpuhub host (roles/gpuhub_common). Prometheus alerts before
+CERT…`` runs from a systemd timer on every gpuhub host (roles/gpuhub). Prometheus alerts before
 a certificate expires (GpuhubCertificateExpiring) and when one cannot be read
 (GpuhubCertificateUnreadable). A file that is missing or is not a PEM certificate is reported as
 unreadable; it never stops the others from being reported.

@@ -4,7 +4,7 @@ A user's Jupyter server holds the user's JupyterHub API token; the scheduler ask
 (``GET /hub/api/user``), so a user can only create and stop their own kernels. Starting kernels runs
 code as the user, so it takes more than knowing who the token belongs to: the token must carry the
 hub scope ``kernel_scope`` (``custom:gpuhub:kernels``), which the hub gives the tokens of the user's
-own servers only (roles/jupyterhub: ``custom_scopes``, ``server_token_scopes``). An OAuth token a
+own servers only (roles/gpuhub_hub: ``custom_scopes``, ``server_token_scopes``). An OAuth token a
 user got by visiting someone else's server names that user but lacks the scope. Answers are cached
 briefly.
 """

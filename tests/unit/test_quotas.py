@@ -178,14 +178,18 @@ def render_scheduler_toml(tmp_path, **quotas):
     import jinja2
     import yaml
 
-    role = Path(__file__).parents[2] / "roles" / "gpuhub_scheduler"
-    values = {**yaml.safe_load((role / "defaults" / "main.yml").read_text()), **quotas}
+    roles = Path(__file__).parents[2] / "roles"
+    role = roles / "gpuhub_scheduler"
+    # The base role's cluster-wide defaults (the pool, the quotas), then the scheduler's own.
+    values = {**yaml.safe_load((roles / "gpuhub" / "defaults" / "main.yml").read_text()),
+              **yaml.safe_load((role / "defaults" / "main.yml").read_text()),
+              "ansible_managed": "Ansible managed", "gpuhub_hub_address": "10.0.0.2", "gpuhub_hub_api_port": 8081,
+              "gpuhub_scheduler_port": 8600, "gpuhub_tls": True, "gpuhub_profiles": [{"gpus": 0}, {"gpus": 4}],
+              **quotas}
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
     env.filters["to_json"] = json.dumps
     env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).strip().lower() in ("1", "on", "true", "yes")
-    text = env.from_string((role / "templates" / "scheduler.toml.j2").read_text()).render(
-        ansible_managed="Ansible managed", gpuhub_hub_address="10.0.0.2", gpuhub_hub_api_port=8081,
-        gpuhub_scheduler_port=8600, gpuhub_tls=True, gpuhub_profiles=[{"gpus": 0}, {"gpus": 4}], **values)
+    text = env.from_string((role / "templates" / "scheduler.toml.j2").read_text()).render(**values)
     out = tmp_path / "scheduler.toml"
     out.write_text(text)
     return out

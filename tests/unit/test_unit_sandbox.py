@@ -49,7 +49,7 @@ def sandboxes() -> dict[str, dict]:
 def render(variables: dict) -> dict[str, str]:
     """The drop-in's settings, as the template module would write them."""
     context = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
-               **yaml.safe_load((ROOT / "roles/gpuhub_common/defaults/main.yml").read_text()),
+               **yaml.safe_load((ROOT / "roles/gpuhub/defaults/main.yml").read_text()),
                "alertmanager_storage_dir": "/var/lib/prometheus/alertmanager", "ansible_managed": "managed"}
     templar = Templar(loader=DataLoader(), variables=context)
 
