@@ -82,3 +82,25 @@ def test_a_new_release_is_built_beside_the_running_one_and_switched_atomically()
     targets = [str(t.get("ansible.builtin.command", {}).get("argv", "")) for t in _tasks(build["block"])]
     assert any("gpuhub_python_release" in a and "pip" in a for a in targets)
     assert not any("gpuhub_python_venv" in a for a in targets), "the build must not touch the current venv"
+
+
+def test_each_tier_and_role_of_site_yml_can_be_run_alone_by_tag():
+    """`ansible-playbook site.yml --tags prometheus` (or hub, agent, ...) runs that part only; the
+    facts play runs whatever is selected, since every other play needs its facts."""
+    imported = {step["ansible.builtin.import_playbook"] for step in yaml.safe_load((ROOT / "site.yml").read_text())}
+    untagged, roles_untagged = [], []
+    for path, play in _plays():
+        if path.removeprefix("playbooks/") not in {p.removeprefix("playbooks/") for p in imported | {"facts.yml"}}:
+            continue
+        tags = play.get("tags") or []
+        if not tags:
+            untagged.append((path, play["name"]))
+        if path == "playbooks/facts.yml":
+            assert tags == ["always"], tags
+        for role in play.get("roles") or []:
+            if isinstance(role, dict) and role.get("when") is None and not role.get("tags"):
+                roles_untagged.append((path, role["role"]))
+            if isinstance(role, str):
+                roles_untagged.append((path, role))
+    assert not untagged, f"plays without tags: {untagged}"
+    assert not roles_untagged, f"roles without a tag of their own: {roles_untagged}"
