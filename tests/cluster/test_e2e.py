@@ -230,6 +230,30 @@ def test_the_server_offers_its_profiles_kernel_only(alice):
     assert set(specs["kernelspecs"]) == {"gpuhub-gpu1", "python3"}, sorted(specs["kernelspecs"])
 
 
+def test_users_servers_call_the_hub_api_over_tls_with_a_certificate_of_the_cluster_ca(cluster, alice):
+    """A server's token never crosses the network in clear: its hub API URL is the proxy's TLS port
+    (Spawner.hub_connect_url, roles/gpuhub_hub), whose certificate the cluster CA issued, so the
+    server verifies it with the host's trust store. The spawn itself went through it: batchspawner's
+    singleuser posts its port to the hub's API before the hub counts the server as started."""
+    found = {}
+    for host in cluster.groups["notebook_hosts"]:
+        props = unit_props(cluster, host, "gpuhub-server-alice.service", "ActiveState", "MainPID")
+        if props.get("ActiveState") == "active":
+            found[host] = props["MainPID"]
+    ((host, pid),) = found.items()
+    raw = cluster.exec(host, "cat", f"/proc/{pid}/environ")
+    env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    assert env["JUPYTERHUB_API_URL"] == f"https://{cluster.hub}:443/hub/api", env["JUPYTERHUB_API_URL"]
+    assert env["REQUESTS_CA_BUNDLE"] == "/etc/ssl/certs/ca-certificates.crt"
+    hub = cluster.groups["hub"][0]
+    issuer = cluster.exec(hub, "openssl", "x509", "-noout", "-issuer", "-in", "/etc/gpuhub/tls/hub.crt")
+    assert "gpuhub cluster CA" in issuer, issuer
+    # From the server's host, with nothing but the host's trust store: the certificate and its name check.
+    cluster.exec(host, "python3", "-c", "import ssl, socket; ctx = ssl.create_default_context(); "
+                 f"ctx.wrap_socket(socket.create_connection(({cluster.hub!r}, 443), 10), "
+                 f"server_hostname={cluster.hub!r}).close()")
+
+
 def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
     """A second server of the same user, with the CPU profile (its description is on the form):
     its default kernel is the replicated CPU kernel, not the notebook host's plain python3."""
