@@ -30,7 +30,7 @@ class Cluster:
     groups: dict[str, list[str]]
     agent_tokens: dict[str, str] = field(repr=False)  # inventory name -> that host's agent token
     passwords: dict[str, str] = field(default_factory=dict, repr=False)
-    ca_file: str = ""  # the hub's (self-signed) certificate and the cluster CA: HTTPS is verified against them
+    ca_file: str = ""  # the cluster CA and the hub's certificate: HTTPS is verified against them
 
     @property
     def hub(self) -> str:
@@ -114,8 +114,8 @@ def load_cluster(ca_dir: Path) -> Cluster | str:
     missing = [ctr for ctr in containers.values() if ctr not in running]
     if missing:
         return f"cluster {c.name} is not running ({', '.join(missing)} down): scripts/cluster.sh up {c.name}"
-    # The hub's own certificate (self-signed unless the inventory brings one) and the cluster CA, which
-    # signed the agents' and the scheduler's certificates.
+    # The cluster CA, which signed the hub's certificate and the agents' and the scheduler's, and the
+    # hub's own certificate (self-signed when the inventory turns the cluster's TLS off).
     ca = ca_dir / "trusted.pem"
     ca.write_text(c.exec(c.groups["hub"][0], "cat", "/etc/gpuhub/secrets/proxy/tls.crt")
                   + (creds / "tls" / "ca.crt").read_text())
