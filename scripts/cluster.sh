@@ -286,7 +286,7 @@ cmd_info() {
   hub=$(ip_of "$HUB")
   echo
   echo "gpuhub cluster '$NAME'"
-  echo "  JupyterHub:  https://$hub/   (self-signed certificate)"
+  echo "  JupyterHub:  https://$hub/   (certificate of the cluster CA: .cache/$NAME/credentials/tls/ca.crt)"
   echo "  Prometheus:  http://$hub:9090/"
   echo "  Grafana:     http://$hub:3000/   (if the grafana package could be installed)"
   echo "  hosts:      " "$(for h in $(hosts); do printf '%s=%s ' "$h" "$(ip_of "$h")"; done)"

@@ -54,8 +54,9 @@ def open_launcher(page, url: str) -> None:
 def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
     alice = HubUser(cluster, "alice")
     alice.login()  # an API token, to stop the server afterwards
-    # The hub's certificate is self-signed: a user accepts it once in the browser; this context
-    # ignores certificate errors (the other tests verify HTTPS against it from Python).
+    # The cluster CA, which issued the hub's certificate, is not in this browser's store: a user
+    # imports it or accepts the certificate once; this context ignores certificate errors (the other
+    # tests verify HTTPS against the CA from Python).
     context = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 900})
     context.set_default_timeout(120_000)
     page = context.new_page()
