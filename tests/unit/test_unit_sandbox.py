@@ -1,16 +1,19 @@
 """Every systemd service gpuhub installs or tightens gets its sandbox from one template
 (roles/systemd_hardening), so the settings cannot drift apart between roles; what a unit needs
-beyond it is declared where the role includes it. Rendered here with Ansible's own templating; the
-cluster tests read the same settings back from systemd (tests/cluster/test_e2e.py)."""
+beyond it is declared where the role includes it. Rendered here with Jinja as Ansible's template
+module does (trim_blocks; the one Ansible filter the roles pass in, dirname). Not with Ansible's own
+templating: importing it patches sys.intern for the whole test process, which breaks PyTorch's
+compiler in later tests. The cluster tests read the same settings back from systemd
+(tests/cluster/test_e2e.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import jinja2
 import pytest
 import yaml
-from ansible.parsing.dataloader import DataLoader
-from ansible.template import Templar, trust_as_template
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "systemd_hardening"
@@ -48,19 +51,19 @@ def sandboxes() -> dict[str, dict]:
 
 def render(variables: dict) -> dict[str, str]:
     """The drop-in's settings, as the template module would write them."""
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    env.filters["dirname"] = os.path.dirname
     context = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
                **yaml.safe_load((ROOT / "roles/gpuhub/defaults/main.yml").read_text()),
                "alertmanager_storage_dir": "/var/lib/prometheus/alertmanager", "ansible_managed": "managed"}
-    templar = Templar(loader=DataLoader(), variables=context)
 
     def value(v):
         if isinstance(v, list):
             return [value(item) for item in v]
-        return templar.template(trust_as_template(v)) if isinstance(v, str) else v
+        return env.from_string(v).render(context) if isinstance(v, str) else v
 
     context.update({k: value(v) for k, v in variables.items()})
-    text = Templar(loader=DataLoader(), variables=context).template(
-        trust_as_template((ROLE / "templates" / "hardening.conf.j2").read_text()))
+    text = env.from_string((ROLE / "templates" / "hardening.conf.j2").read_text()).render(context)
     settings = {}
     for line in text.splitlines():
         if "=" in line and not line.startswith("#"):
