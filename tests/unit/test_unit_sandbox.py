@@ -119,3 +119,12 @@ def test_only_the_agent_and_the_proxy_keep_capabilities():
     assert kept.pop("configurable-http-proxy.service") == "CAP_NET_BIND_SERVICE"
     assert kept.pop("gpuhub-cert-metrics.service").split() == ["CAP_DAC_READ_SEARCH", "CAP_DAC_OVERRIDE"]
     assert set(kept.values()) == {""}
+
+
+def test_units_in_a_user_namespace_of_their_own_get_no_protect_proc():
+    # Debian's prometheus.service has PrivateUsers=yes: systemd cannot mount a /proc that hides other
+    # users' processes inside a user namespace without a PID namespace, so with ProtectProc= the
+    # service failed to start (226/NAMESPACE; the cluster deploy found it). Grafana's unit is not
+    # tried here at all.
+    for unit in ("prometheus.service", "grafana-server.service"):
+        assert "ProtectProc" not in render(sandboxes()[unit]), unit
