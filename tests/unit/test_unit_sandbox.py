@@ -128,3 +128,14 @@ def test_units_in_a_user_namespace_of_their_own_get_no_protect_proc():
     # tried here at all.
     for unit in ("prometheus.service", "grafana-server.service"):
         assert "ProtectProc" not in render(sandboxes()[unit]), unit
+
+
+def test_the_certificate_metrics_command_line_names_only_the_watched_files():
+    # The template module's trim_blocks eats the newline after a block tag that ends a line: a comment
+    # put right below the ExecStart= line became arguments of the command (found on the cluster).
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True)
+    watched = ["/etc/gpuhub/tls/host.crt", "/etc/gpuhub/secrets/proxy/tls.crt"]
+    text = env.from_string((ROOT / "roles/gpuhub/templates/gpuhub-cert-metrics.service.j2").read_text()).render(
+        ansible_managed="managed", gpuhub_cert_metrics_file="/m/certs.prom", gpuhub_common_watched_certs=watched)
+    (exec_start,) = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    assert exec_start.split()[-len(watched) - 2:] == ["--output", "/m/certs.prom", *watched]
