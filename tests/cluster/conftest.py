@@ -64,11 +64,15 @@ class Cluster:
 
 def ansible_playbook(cluster: Cluster, playbook: str, *args: str, tree: Path = ROOT, timeout: float = 1500) -> str:
     """``ansible-playbook PLAYBOOK ARGS`` from ``tree`` (a gpuhub checkout) against the cluster's
-    inventory, as an admin runs it; its output. Fails the test with the output's tail if it fails."""
+    inventory, as an admin runs it; its output. Fails the test with the output's tail if it fails.
+    The GPU servers go all at once, as ``scripts/cluster.sh deploy`` sends them; ``-e
+    gpuhub_gpu_nodes_serial=N`` in ARGS comes later and wins."""
     binary = Path(sys.executable).parent / "ansible-playbook"
     env = dict(os.environ, ANSIBLE_CONFIG=str(tree / "ansible.cfg"), CONTAINERS_CONF=str(CONTAINERS_CONF))
     started = time.monotonic()
-    proc = subprocess.run([str(binary), "-i", str(cluster.inventory_dir / "hosts.yml"), playbook, *args], cwd=tree,
+    argv = [str(binary), "-i", str(cluster.inventory_dir / "hosts.yml"), playbook,
+            "-e", "gpuhub_gpu_nodes_serial=100%", *args]
+    proc = subprocess.run(argv, cwd=tree,
                           env=env, capture_output=True, text=True, timeout=timeout)
     print(f"{playbook} from {tree}: {time.monotonic() - started:.0f} s")
     assert proc.returncode == 0, f"{playbook} from {tree} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
