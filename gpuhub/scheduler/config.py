@@ -70,6 +70,9 @@ class SchedulerConfig(HttpLimits, MetricsAccess, TlsSettings):
     pool_headroom_gpus = Int(0, min=0, config=True, help="Idle GPUs the pool keeps active beyond the demand.")
     pool_spare_servers = Int(1, min=0, config=True,
                              help="Active servers the pool keeps able to grant the largest GPU request at once.")
+    pool_spare_recent_s = Float(1200.0, min=0.0, config=True,
+                                help="The spare server is kept for the largest request of a cell that ran or "
+                                     "waited within this many seconds.")
     pool_release_after_s = Float(300.0, min=0.0, config=True,
                                  help="A surplus of servers must last this long before the pool drains one.")
     pool_interval_s = Float(10.0, config=True, help="How often the pool decides.")

@@ -19,7 +19,8 @@ cells waiting for one):
 - keep ``demand + headroom_gpus`` GPUs in active (or coming) servers, and at least ``min_active``
   servers, at most ``max_active``; the replicas placed must also fit under the subscription ratio;
 - keep ``spare_servers`` active servers (or coming ones) that could take a replica of the kernel
-  with the largest request (``largest_request``; a whole server when unknown) under the
+  with the largest request (``largest_request``: of the cells that ran or waited within
+  ``spare_recent_s``, see :class:`RecentRequests`) under the
   subscription ratio and grant its cell now: idle GPUs scattered over busy
   servers cannot run a cell that needs many of them, and a spare can take it at once (migration
   prefers the fullest server that fits, so the spare stays free for such a cell);
@@ -50,6 +51,7 @@ class PoolSettings:
     headroom_gpus: int = 0  # idle GPUs kept on beyond the demand, for cells that arrive
     spare_servers: int = 1  # active servers kept able to grant the largest request, for big cells
     release_after_s: float = 300.0  # a surplus must last this long before a server is drained
+    spare_recent_s: float = 1200.0  # the spare is sized for requests of cells this recent
     drain_step: int = 2  # servers that may drain at once
     max_subscription_ratio: float = 7.0  # the placement limit (placement.py), for the replicas' room
     replicas: int = 3  # replicas per kernel (same)
@@ -66,6 +68,8 @@ class PoolSettings:
             raise PoolSettingsError(f"pool_headroom_gpus must not be negative, not {self.headroom_gpus}")
         if self.release_after_s < 0:
             raise PoolSettingsError(f"pool_release_after_s must not be negative, not {self.release_after_s}")
+        if self.spare_recent_s < 0:
+            raise PoolSettingsError(f"pool_spare_recent_s must not be negative, not {self.spare_recent_s}")
         if self.drain_step < 1:
             raise PoolSettingsError(f"pool_drain_step must be at least 1, not {self.drain_step}")
         return self
@@ -95,6 +99,25 @@ class PoolPlan:
 
     def __bool__(self) -> bool:
         return bool(self.acquire or self.undrain or self.drain or self.release)
+
+
+class RecentRequests:
+    """The largest GPU request of a cell that ran or waited within the last ``window_s`` seconds:
+    what the spare server is kept for. A kernel that asked for a whole server hours ago and has been
+    idle since does not keep one on; its next cell waits for one undrain or acquire, and the spare
+    stays while its cells keep coming."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.last: dict[int, float] = {}  # GPUs asked -> when a cell last asked for that many
+
+    def note(self, gpus: int, now: float) -> None:
+        if gpus > 0 and now >= self.last.get(gpus, now):
+            self.last[gpus] = now
+
+    def largest(self, now: float) -> int:
+        """0 when no cell asked for a GPU within the window."""
+        return max((g for g, t in self.last.items() if now - t <= self.window_s), default=0)
 
 
 class PoolPolicy:

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pool-spare-servers", type=int, default=pool.spare_servers, metavar="N",
                    help="--elastic: servers kept able to grant the largest request at once "
                    f"(default: {pool.spare_servers})")
+    r.add_argument("--pool-spare-recent-s", type=float, default=pool.spare_recent_s, metavar="S",
+                   help="--elastic: the spare server is kept for the largest request of a cell this "
+                   f"recent (default: {pool.spare_recent_s:g})")
     r.add_argument("--pool-release-after-s", type=float, default=pool.release_after_s, metavar="S",
                    help="--elastic: a surplus lasts this long before a server drains "
                    f"(default: {pool.release_after_s:g})")
@@ -193,7 +196,8 @@ def _run(args) -> int:
             elastic=args.elastic and policy == "gpuhub",
             pool=PoolSettings(min_active=args.pool_min_active, max_active=args.pool_max_active,
                               headroom_gpus=args.pool_headroom_gpus, spare_servers=args.pool_spare_servers,
-                              release_after_s=args.pool_release_after_s),
+                              release_after_s=args.pool_release_after_s,
+                              spare_recent_s=args.pool_spare_recent_s),
             acquire_s=args.acquire_s,
         )
         if args.migration_s < 0:

@@ -52,7 +52,7 @@ from gpuhub.agent.leases import LeaseBook
 from gpuhub.replication.election import FAILED, Election, local_choice
 from gpuhub.scheduler.migration import NoMigrationTarget, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
-from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError
+from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError, RecentRequests
 
 from .trace import Session, Trace
 
@@ -344,6 +344,7 @@ class Simulator:
         self.N = n
         self.nodes = [_Node(i, self.G) for i in range(n)]
         self.pool: PoolPolicy | None = None
+        self.recent: RecentRequests | None = None
         if config.elastic:
             if config.policy != "gpuhub":
                 raise SimError("--elastic is the gpuhub policy's pool; use it with --policy gpuhub")
@@ -362,6 +363,7 @@ class Simulator:
                 )
             except PoolSettingsError as exc:
                 raise SimError(str(exc)) from None
+            self.recent = RecentRequests(self.pool.settings.spare_recent_s)
         self.progress = progress
         self.heap: list = []
         self.seq = 0
@@ -708,6 +710,8 @@ class Simulator:
             return
         st.waiting = True
         self.waiting_gpus += g
+        if self.recent is not None:
+            self.recent.note(g, t)
         entry = (st, st.token)
         for node in st.replicas:
             node.waiters.append(entry)
@@ -768,6 +772,8 @@ class Simulator:
         if self.cfg.policy == "batch":
             begin = t + self.cfg.batch_start_cost_s
         self.delays.append(begin - submit)
+        if self.recent is not None:
+            self.recent.note(g, t)
         end = begin + dur
         st.running = True
         if lease is not None:
@@ -856,7 +862,8 @@ class Simulator:
         the rule would decide the same."""
         pool = self.pool
         demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
-        seen = (self.pool_version, demand)
+        largest = self.recent.largest(t)
+        seen = (self.pool_version, demand, largest)
         if seen == self.pool_seen and pool.surplus_since is None:
             if self.live_sessions > 0:
                 self._push(t + self.cfg.pool_interval_s, _POOL, None)
@@ -870,8 +877,7 @@ class Simulator:
                       PoolServer(n.name, v.gpu_count, n.pool, v.committed, v.pending, len(n.residents)))
                 cached = n.pool_server = (v, n.pool, ps)
             servers.append(cached[2])
-        largest = max((g for g, n in self.placed_by_gpus.items() if n), default=0)
-        plan = pool.plan(servers, demand, t, largest_request=largest or None, lent=self.lent,
+        plan = pool.plan(servers, demand, t, largest_request=largest, lent=self.lent,
                          min_servers=self.cfg.replicas)
         self.pool_seen = None if plan else seen
         if plan:

@@ -98,6 +98,31 @@ async def test_idle_servers_drain_then_are_released_through_the_hook_with_their_
     assert metric(s, "gpuhub_pool_actions_total", action="released") == 2
 
 
+async def test_the_spare_is_kept_for_the_cells_the_agents_report_not_for_every_placed_kernel(tmp_path, hook):
+    s = pool_scheduler(tmp_path, hook, pool_min_active=3)
+    s.kernels["k1"] = record = kernel(["a", "b", "c"])
+    record.gpus = 2  # a whole server's worth, but it has run no cell lately
+    now = time.time()
+    for i, name in enumerate(("a", "b", "c")):  # one 1-GPU cell of other kernels on each
+        s.heartbeat({"node": name, "url": f"http://{name}.invalid", "gpu_count": 2, "committed": 1, "pending": 0,
+                     "leases": [{"lease_id": f"l{i}", "holder": f"gpuhub-kernel-small{i}-r0", "gpus": [0],
+                                 "granted_at": now, "user": "bob", "kernel_id": f"small{i}"}]})
+    # The largest recent request is one GPU, which a, b and c can each grant: d is surplus.
+    assert (await s.pool.step()).drain == ("d",)
+    # k1's cell waits for two GPUs, which only an empty server has: d comes back at once.
+    s.pool.cell_waits("k1", 2)
+    plan = await s.pool.step()
+    assert plan.undrain == ("d",) and states(s)["d"] == "active"
+    # While k1's cells keep coming (its lease on d), d stays; twenty minutes after, it is surplus again.
+    s.pool.cell_placed("k1")
+    s.heartbeat({"node": "d", "url": "http://d.invalid", "gpu_count": 2, "committed": 0, "pending": 0,
+                 "leases": []})
+    s.pool.recent.note(2, now)
+    assert not (await s.pool.step()).drain
+    s.pool.recent.last[2] = now - s.config.pool_spare_recent_s - 1
+    assert (await s.pool.step()).drain == ("d",)
+
+
 async def test_a_drained_servers_replicas_move_before_it_is_released(tmp_path, hook, monkeypatch):
     s = pool_scheduler(tmp_path, hook, nodes=("a", "b", "c", "d"), pool_min_active=3, pool_spare_servers=0)
     started, stopped = stub_agents(s, monkeypatch)

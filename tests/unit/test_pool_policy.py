@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuhub.scheduler.pool import PoolPlan, PoolPolicy, PoolServer, PoolSettings, PoolSettingsError
+from gpuhub.scheduler.pool import PoolPlan, PoolPolicy, PoolServer, PoolSettings, PoolSettingsError, RecentRequests
 
 
 def servers(*specs: tuple) -> list[PoolServer]:
@@ -76,8 +76,32 @@ def test_room_for_the_replicas_placed_under_the_subscription_ratio():
     assert pool.plan(view, 0, now=0).acquire == ("b",)
 
 
+def test_the_spare_is_sized_for_recent_cells_only():
+    recent = RecentRequests(window_s=600)
+    assert recent.largest(0) == 0  # no cell yet: no size to keep a spare for
+    recent.note(8, now=100)
+    recent.note(1, now=500)
+    recent.note(0, now=550)  # a CPU cell asks for nothing
+    recent.note(8, now=50)  # an older report of the same size changes nothing
+    assert recent.largest(700) == 8
+    assert recent.largest(701) == 1  # the whole-server kernel has been idle for the window
+    assert recent.largest(1101) == 0
+
+    # What the pool does with it: with 8 recent, an idle whole server stays; once that is old,
+    # the spare a 1-GPU cell needs is any server with a GPU idle, and the idle server drains.
+    pool = PoolPolicy(PoolSettings(min_active=2, spare_servers=1, release_after_s=0))
+    view = servers(("a", "active", 6, 3), ("b", "active", 5, 3), ("c", "active", 0, 0))
+    assert not pool.plan(view, demand_gpus=11, now=700, largest_request=recent.largest(700))
+    assert pool.plan(view, demand_gpus=11, now=701, largest_request=recent.largest(701)).drain == ("c",)
+    # And a whole-server cell that waits again is recent at once: the drained server comes back.
+    drained = servers(("a", "active", 6, 3), ("b", "active", 5, 3), ("c", "draining", 0, 0))
+    recent.note(8, now=800)
+    assert pool.plan(drained, demand_gpus=11, now=800, largest_request=recent.largest(800)).undrain == ("c",)
+
+
 @pytest.mark.parametrize("bad", [dict(min_active=0), dict(min_active=4, max_active=2), dict(headroom_gpus=-1),
-                                 dict(spare_servers=-1), dict(release_after_s=-1), dict(drain_step=0)])
+                                 dict(spare_servers=-1), dict(release_after_s=-1), dict(drain_step=0),
+                                 dict(spare_recent_s=-1)])
 def test_settings_it_cannot_use_are_refused_naming_the_setting(bad):
     with pytest.raises(PoolSettingsError, match="pool_"):
         PoolPolicy(PoolSettings(**bad))
