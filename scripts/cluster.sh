@@ -271,9 +271,9 @@ cmd_deploy() {
   [ -x "$ap" ] || ap=ansible-playbook
   log "deploying site.yml to '$NAME' (a cold run downloads debs and builds the wheelhouse: minutes)"
   local started=$SECONDS rc=0
-  # All three GPU servers at once (the default is a quarter at a time, for upgrades under running
-  # kernels): a third of the time on a cluster that runs nothing yet. tests/cluster/test_upgrade.py
-  # upgrades in batches. An -e in GPUHUB_ANSIBLE_ARGS comes later and wins.
+  # Every GPU server at once: the default, a quarter at a time, is for upgrades under running
+  # kernels, and ran the GPU play once per server on the test cluster (docs/testing.md).
+  # tests/cluster/test_upgrade.py upgrades in batches. An -e in GPUHUB_ANSIBLE_ARGS comes later and wins.
   # shellcheck disable=SC2086
   (cd "$ROOT" && ANSIBLE_CONFIG="$ROOT/ansible.cfg" "$ap" -i "$inv/hosts.yml" site.yml \
     -e gpuhub_gpu_nodes_serial=100% ${GPUHUB_ANSIBLE_ARGS:-}) || rc=$?

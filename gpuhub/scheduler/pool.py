@@ -121,11 +121,13 @@ class RecentRequests:
 
 
 class PoolPolicy:
-    """The pool rule with its one piece of memory: since when the surplus has lasted."""
+    """The pool rule with its memory: since when the surplus has lasted, and the recent cells'
+    requests (its caller notes them, and passes ``recent.largest(now)`` to :meth:`plan`)."""
 
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings.check()
         self.surplus_since: float | None = None
+        self.recent = RecentRequests(self.settings.spare_recent_s)
 
     def wanted_gpus(self, servers: Sequence[PoolServer], demand_gpus: int) -> int:
         """GPUs to keep active: the demand plus the headroom, and room for the replicas placed."""

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from gpuhub.scheduler.pool import PoolPlan, PoolPolicy, PoolServer, PoolSettings, RecentRequests
+from gpuhub.scheduler.pool import PoolPlan, PoolPolicy, PoolServer, PoolSettings
 
 if TYPE_CHECKING:  # the scheduler owns the pool; no import cycle at run time
     from gpuhub.scheduler.service import NodeRecord, Scheduler
@@ -88,7 +88,6 @@ class ElasticPool:
             min_active=c.pool_min_active, max_active=c.pool_max_active, headroom_gpus=c.pool_headroom_gpus,
             spare_servers=c.pool_spare_servers, release_after_s=c.pool_release_after_s,
             spare_recent_s=c.pool_spare_recent_s, max_subscription_ratio=c.max_subscription_ratio, replicas=3))
-        self.recent = RecentRequests(c.pool_spare_recent_s)  # what the spare is kept for
         self._hooks: dict[str, asyncio.Task] = {}  # server -> its hook now running (one at a time)
         self.acts = bool(c.pool_release_command)  # without hooks: report only
         self.waiting: dict[str, tuple[int, float]] = {}  # kernel -> (GPUs its cell waits for, when it asked)
@@ -153,10 +152,10 @@ class ElasticPool:
         # Cells noted when they were granted (as the simulator notes them when they start) or now
         # that they wait.
         for lease in self.s.live_leases():
-            self.recent.note(lease.gpus, min(lease.granted_at, now))
+            self.policy.recent.note(lease.gpus, min(lease.granted_at, now))
         for gpus, _ in self.waiting.values():
-            self.recent.note(gpus, now)
-        largest = self.recent.largest(now)
+            self.policy.recent.note(gpus, now)
+        largest = self.policy.recent.largest(now)
         # every replica of a kernel needs a server of its own (3 when the kernelspecs ask for the default)
         replicas = max((len(k.replicas) for k in self.s.kernels.values()), default=3)
         plan = self.policy.plan(self.servers(), self.demand, now, largest_request=largest,

@@ -52,7 +52,7 @@ from gpuhub.agent.leases import LeaseBook
 from gpuhub.replication.election import FAILED, Election, local_choice
 from gpuhub.scheduler.migration import NoMigrationTarget, plan_move
 from gpuhub.scheduler.placement import NodeView, PlacementError, place_replicas
-from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError, RecentRequests
+from gpuhub.scheduler.pool import PoolPolicy, PoolServer, PoolSettings, PoolSettingsError
 
 from .trace import Session, Trace
 
@@ -344,7 +344,6 @@ class Simulator:
         self.N = n
         self.nodes = [_Node(i, self.G) for i in range(n)]
         self.pool: PoolPolicy | None = None
-        self.recent: RecentRequests | None = None
         if config.elastic:
             if config.policy != "gpuhub":
                 raise SimError("--elastic is the gpuhub policy's pool; use it with --policy gpuhub")
@@ -363,7 +362,6 @@ class Simulator:
                 )
             except PoolSettingsError as exc:
                 raise SimError(str(exc)) from None
-            self.recent = RecentRequests(self.pool.settings.spare_recent_s)
         self.progress = progress
         self.heap: list = []
         self.seq = 0
@@ -394,7 +392,6 @@ class Simulator:
         self.waiting_gpus = 0  # demand not served yet (for the autoscaler)
         self.timeline: list = []
         self.live_sessions = 0
-        self.placed_by_gpus: dict[int, int] = {}  # gpuhub: sessions placed now, by the GPUs they ask
         # --elastic: the nodes not lent, the lent ones, and what the pool last looked at
         self.pooled: dict[int, _Node] = {}
         self.lent = _Lent()
@@ -595,7 +592,6 @@ class Simulator:
         st.replicas = reps
         st.placed = True
         self.pool_version += 1
-        self.placed_by_gpus[st.s.gpus] = self.placed_by_gpus.get(st.s.gpus, 0) + 1
         self._waited(st, t)
         return True
 
@@ -632,7 +628,6 @@ class Simulator:
                     node.view = None
                 st.replicas = []
                 self.pool_version += 1
-                self.placed_by_gpus[st.s.gpus] -= 1
                 self._drain_place_queue(t)
             else:
                 self.place_queue.remove(st)
@@ -710,8 +705,8 @@ class Simulator:
             return
         st.waiting = True
         self.waiting_gpus += g
-        if self.recent is not None:
-            self.recent.note(g, t)
+        if self.pool is not None:
+            self.pool.recent.note(g, t)
         entry = (st, st.token)
         for node in st.replicas:
             node.waiters.append(entry)
@@ -772,8 +767,8 @@ class Simulator:
         if self.cfg.policy == "batch":
             begin = t + self.cfg.batch_start_cost_s
         self.delays.append(begin - submit)
-        if self.recent is not None:
-            self.recent.note(g, t)
+        if self.pool is not None:
+            self.pool.recent.note(g, t)
         end = begin + dur
         st.running = True
         if lease is not None:
@@ -862,7 +857,7 @@ class Simulator:
         the rule would decide the same."""
         pool = self.pool
         demand = self.committed_now + self.waiting_gpus + sum(st.s.gpus for st in self.place_queue)
-        largest = self.recent.largest(t)
+        largest = pool.recent.largest(t)
         seen = (self.pool_version, demand, largest)
         if seen == self.pool_seen and pool.surplus_since is None:
             if self.live_sessions > 0:

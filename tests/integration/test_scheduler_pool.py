@@ -117,9 +117,9 @@ async def test_the_spare_is_kept_for_the_cells_the_agents_report_not_for_every_p
     s.pool.cell_placed("k1")
     s.heartbeat({"node": "d", "url": "http://d.invalid", "gpu_count": 2, "committed": 0, "pending": 0,
                  "leases": []})
-    s.pool.recent.note(2, now)
+    s.pool.policy.recent.note(2, now)
     assert not (await s.pool.step()).drain
-    s.pool.recent.last[2] = now - s.config.pool_spare_recent_s - 1
+    s.pool.policy.recent.last[2] = now - s.config.pool_spare_recent_s - 1
     assert (await s.pool.step()).drain == ("d",)
 
 
