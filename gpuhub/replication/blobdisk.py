@@ -10,9 +10,9 @@ more. A replica loading an image reads them from there before it asks its peers.
 
 A file is written as ``<digest>.part``, flushed to disk, then renamed, so a file named by a digest
 holds the whole value; reading checks the digest anyway (disks rot). These copies never take the
-last :data:`KEEP_FREE` of the disk, which the Raft journals need (gpuhub/replication/journal_space.py);
-a value that does not fit, or another write error, is logged once and stays where it was before:
-in the replicas' memory.
+last part of the disk, which the Raft journals need (gpuhub/replication/journal_space.py): see
+:func:`keep_free`. A value that does not fit, or another write error, is logged once and stays
+where it was before: in the replicas' memory.
 
 Until :meth:`BlobDisk.start` (the replica has caught up with its group), nothing is written or
 removed: while the journal is replayed, older images are applied one by one, and the files of the
@@ -34,8 +34,16 @@ log = logging.getLogger("gpuhub.replication")
 
 WRITE_STEP = 8 << 20  # bytes per write() call: the thread holds no lock and the GIL only briefly
 DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
-KEEP_FREE = 0.10  # of the filesystem, left for the Raft journals (a full disk stops a replica)
+KEEP_FREE = 0.10  # of the filesystem, left for the Raft journals (a full disk stops a replica) ...
+KEEP_FREE_CAP = 2 << 30  # ... but never more than this: journals are small, and 10% of a big shared disk is not
 RETRY_S = 5.0  # a value not yet in the store (still arriving from the executor) is tried again after this
+
+
+def keep_free(disk_bytes: int) -> int:
+    """The bytes of a filesystem of ``disk_bytes`` that large values leave free: :data:`KEEP_FREE`
+    of it, capped at :data:`KEEP_FREE_CAP` (journald's keep-free rule has the same shape). Without
+    the cap a server whose big disk other users had filled to 91% kept no values at all."""
+    return min(int(KEEP_FREE * disk_bytes), KEEP_FREE_CAP)
 
 
 class BlobDisk:
@@ -133,19 +141,20 @@ class BlobDisk:
         return missing
 
     def _room_for(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more leave :data:`KEEP_FREE` of the filesystem free: these copies
+        """Whether ``nbytes`` more leave the journals their share of the filesystem: these copies
         are a convenience, the Raft journals beside them are not, and they share the disk."""
         try:
             st = os.statvfs(self.directory)
         except OSError:
             return False
-        return st.f_bavail * st.f_frsize - nbytes >= KEEP_FREE * st.f_blocks * st.f_frsize
+        return st.f_bavail * st.f_frsize - nbytes >= keep_free(st.f_blocks * st.f_frsize)
 
     def _write(self, d: str, data) -> None:
         final = self.path(d)
         part = final + ".part"
         if not self._room_for(memoryview(data).nbytes):
-            self._failed(f"{memoryview(data).nbytes} bytes would leave less than {KEEP_FREE:.0%} of the disk free")
+            self._failed(f"{memoryview(data).nbytes} bytes would leave less free than the Raft journals keep "
+                         f"({KEEP_FREE:.0%} of the disk, at most {KEEP_FREE_CAP >> 30} GiB)")
             return
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

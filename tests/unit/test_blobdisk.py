@@ -29,7 +29,10 @@ def store():
 
 
 @pytest.fixture
-def disk(tmp_path, store):
+def disk(tmp_path, store, monkeypatch):
+    # How full the machine's disk is (other work shares it) must not decide these tests: the rule
+    # has its own test below.
+    monkeypatch.setattr(blobdisk, "keep_free", lambda disk_bytes: 0)
     (tmp_path / "blobs").mkdir()
     (tmp_path / "blobs" / ("0" * 64 + ".part")).write_bytes(b"half a value")  # an interrupted write
     d = BlobDisk(str(tmp_path / "blobs"), store)
@@ -67,10 +70,18 @@ def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
 
 
 def test_the_copies_leave_the_journals_their_share_of_the_disk(disk, store, monkeypatch, caplog):
-    monkeypatch.setattr(blobdisk, "KEEP_FREE", 1.0)  # no room at all
+    monkeypatch.setattr(blobdisk, "keep_free", lambda disk_bytes: disk_bytes)  # no room at all
     disk.persist(set(store.values))
     with caplog.at_level(logging.WARNING, logger="gpuhub.replication"):
         disk.start()
         wait_for(lambda: "cannot keep a large value on disk" in caplog.text, 30, "the warning")
     assert disk.on_disk() == set()
     assert caplog.text.count("cannot keep a large value on disk") == 1  # once, not per value
+
+
+def test_the_journals_share_is_a_tenth_of_the_disk_at_most_two_gib():
+    gib = 1 << 30
+    assert blobdisk.keep_free(10 * gib) == gib
+    assert blobdisk.keep_free(20 * gib) == 2 * gib
+    # A big shared disk that other users filled to 91%: 22 GiB free is room enough for values.
+    assert blobdisk.keep_free(252 * gib) == 2 * gib
