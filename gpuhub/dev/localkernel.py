@@ -10,6 +10,8 @@ that, or the kernel does not answer within ``--start-timeout``, it prints the re
 end of each one's log, which the agent keeps), stops everything and exits 1. On SIGTERM, SIGINT or
 SIGHUP everything it started is stopped; the daemons run in sessions of their own, so a Ctrl-C in
 the terminal reaches only this process, which stops the replicas through their agents first.
+When the client shuts the kernel down (``exit`` in ``jupyter console``), the scheduler forgets it
+and local-kernel ends too. It removes the connection file it wrote whichever way it ends.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from pathlib import Path
 from jupyter_client.connect import write_connection_file
 
 from gpuhub.dev.cluster import DevCluster
+from gpuhub.platform.http_client import ApiClientError
 from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
 from gpuhub.server.router import KernelRouter
 
 PROGRESS_EVERY_S = 5.0
+WATCH_EVERY_S = 1.0  # how often a ready kernel is looked up, to end with it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     cluster = DevCluster(tmp, nodes=args.replicas, gpus_per_node=args.fake_gpus)
     router = None
+    written = ""  # the connection file, once written
     kernel_id = uuid.uuid4().hex[:12]
     stop = asyncio.Event()
     got: list[int] = []
@@ -134,20 +139,43 @@ async def serve(args: argparse.Namespace) -> int:
                               hb_port=conn["hb_port"], transport="tcp", signature_scheme=conn["signature_scheme"],
                               curve_publickey=conn["curve_publickey"].encode(),
                               curve_secretkey=conn["curve_secretkey"].encode())
-        conn_path = str(Path(args.connection_file).resolve())  # noqa: ASYNC240 - once, on a path just written
+        conn_path = written = str(Path(args.connection_file).resolve())  # noqa: ASYNC240 - once, on a path just written
         say(f"kernel ready: jupyter console --existing {conn_path}")
         print(json.dumps({"connection_file": conn_path, "kernel_id": kernel_id, "replicas": pids,
                           "agents": [a.proc.pid for a in cluster.agents], "scheduler": cluster.scheduler.proc.pid,
                           "workdir": str(tmp)}), flush=True)
-        await stop.wait()
+        gone = asyncio.create_task(kernel_gone(cluster, kernel_id))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({gone, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (gone, stopping):
+            task.cancel()
+        await asyncio.gather(gone, stopping, return_exceptions=True)
+        if not stop.is_set():
+            say("the kernel was shut down by its client: stopping its agents and the scheduler…")
         return 0
     finally:
+        if written:  # as a kernel manager removes the file it wrote
+            await asyncio.to_thread(Path(written).unlink, missing_ok=True)
         if router is not None:
             await router.stop()
         await asyncio.to_thread(cluster.stop)
         if not args.workdir:
             shutil.rmtree(tmp, ignore_errors=True)
         say("local kernel stopped")
+
+
+async def kernel_gone(cluster: DevCluster, kernel_id: str) -> None:
+    """Until the scheduler no longer has the kernel: its client shut it down, and the scheduler
+    forgot it once no replica ran any more."""
+    while True:
+        await asyncio.sleep(WATCH_EVERY_S)
+        try:
+            status, _ = await asyncio.to_thread(cluster.scheduler_call, "GET", f"/api/v1/kernels/{kernel_id}",
+                                                timeout=10)
+        except ApiClientError:
+            continue  # a busy scheduler: asked again
+        if status == 404:
+            return
 
 
 async def wait_answering(cluster: DevCluster, record: dict, connection: dict, timeout_s: float) -> None:

@@ -100,6 +100,31 @@ def test_ctrl_c_to_the_process_group_stops_every_replica_and_daemon(tmp_path):
                  what="every replica, agent and scheduler process to be gone")
         assert processes_using(tmp_path / "work") == {}
         assert "local kernel stopped" in lk.stderr()
+        assert not lk.connection_file.exists()
+    finally:
+        lk.close(tmp_path / "work")
+
+
+def test_a_kernel_its_client_shuts_down_ends_local_kernel_and_everything_it_started(tmp_path):
+    lk = LocalKernel(tmp_path, "--replicas", "3")
+    try:
+        ready = lk.ready()
+        kc = BlockingKernelClient()
+        kc.load_connection_file(ready["connection_file"])
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=30)
+            kc.shutdown()  # what `exit` in jupyter console sends
+        finally:
+            kc.stop_channels()
+        assert lk.proc.wait(120) == 0, lk.stderr()
+        assert "the kernel was shut down by its client" in lk.stderr()
+        assert "local kernel stopped" in lk.stderr()
+        daemons = [*ready["agents"], ready["scheduler"]] + [r["pid"] for r in ready["replicas"]]
+        wait_for(lambda: not any(running(p) for p in daemons), timeout=30,
+                 what="every replica, agent and scheduler process to be gone")
+        assert processes_using(tmp_path / "work") == {}
+        assert not lk.connection_file.exists()  # as a kernel manager removes the file it wrote
     finally:
         lk.close(tmp_path / "work")
 
