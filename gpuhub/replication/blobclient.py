@@ -28,8 +28,8 @@ def _split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _connect(addr: str, key: bytes, timeout: float) -> socket.socket:
-    """Connect to a blob server and authenticate both ways."""
+def _connect(addr: str, key: bytes, timeout: float) -> wire.Channel:
+    """Connect to a blob server and authenticate both ways; the encrypted channel to it."""
     host, port = _split_addr(addr)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -39,6 +39,10 @@ def _connect(addr: str, key: bytes, timeout: float) -> socket.socket:
         wire.tune(sock)
         hello = wire.recv_exact(sock, len(wire.MAGIC) + wire.NONCE)
         if hello[:len(wire.MAGIC)] != wire.MAGIC:
+            if hello[:len(wire.MAGIC) - 1] == wire.MAGIC[:-1]:
+                raise BlobError(f"{addr}: the peer speaks blob protocol version {hello[len(wire.MAGIC) - 1]}, "
+                                f"this replica {wire.MAGIC[-1]}: a kernel started before an upgrade that "
+                                "changed it must be restarted (docs/install.md, Upgrading)")
             raise BlobError(f"{addr}: not a gpuhub blob server")
         ns, nc = hello[len(wire.MAGIC):], secrets.token_bytes(wire.NONCE)
         sock.sendall(nc + wire.client_mac(key, ns, nc))
@@ -48,7 +52,7 @@ def _connect(addr: str, key: bytes, timeout: float) -> socket.socket:
             raise BlobError(f"{addr}: authentication refused by the peer (wrong key?)") from None
         if not hmac.compare_digest(answer, wire.server_mac(key, ns, nc)):
             raise BlobError(f"{addr}: the peer failed to authenticate (wrong key?)")
-        return sock
+        return wire.Channel(sock, key, ns, nc, client=True)
     except BaseException as e:
         sock.close()
         if isinstance(e, (wire.Closed, OSError)):
@@ -56,11 +60,14 @@ def _connect(addr: str, key: bytes, timeout: float) -> socket.socket:
         raise
 
 
-def _read_reply(sock: socket.socket, addr: str) -> tuple[bytes, int]:
-    status, length = wire.REP.unpack(wire.recv_exact(sock, wire.REP.size))
+def _read_reply(chan: wire.Channel, addr: str) -> tuple[bytes, int]:
+    record = chan.recv(wire.REP.size + wire.MAX_MSG)
+    assert record is not None
+    if len(record) < wire.REP.size:
+        raise BlobError(f"{addr}: a reply of {len(record)} bytes")
+    status, length = wire.REP.unpack(record[:wire.REP.size])
     if status == b"E":
-        msg = wire.recv_exact(sock, min(length, wire.MAX_MSG)).decode("utf-8", "replace")
-        raise BlobError(f"{addr}: {msg}")
+        raise BlobError(f"{addr}: {record[wire.REP.size:].decode('utf-8', 'replace')}")
     return status, length
 
 
@@ -71,24 +78,24 @@ def push(addr: str, key: bytes, items: dict[str, bytes | bytearray | memoryview]
     has are skipped. Raises :class:`BlobError` on any failure (some items may have been stored)."""
     for d in items:
         check_digest(d)
-    sock = _connect(addr, key, timeout)
+    chan = _connect(addr, key, timeout)
     try:
         for d, data in items.items():
             mv = byte_view(data)
-            sock.sendall(wire.REQ.pack(b"P", d.encode("ascii"), mv.nbytes))
-            status, _ = _read_reply(sock, addr)
+            chan.send(wire.REQ.pack(b"P", d.encode("ascii"), mv.nbytes))
+            status, _ = _read_reply(chan, addr)
             if status == b"O":
                 continue
             if status != b"C":
                 raise BlobError(f"{addr}: unexpected reply {status!r} to PUT")
-            wire.send_body(sock, mv)
-            status, _ = _read_reply(sock, addr)
+            wire.send_body(chan, mv)
+            status, _ = _read_reply(chan, addr)
             if status != b"O":
                 raise BlobError(f"{addr}: unexpected reply {status!r} after PUT body")
-    except (wire.Closed, OSError) as e:
+    except (wire.Closed, wire.Tampered, OSError) as e:
         raise BlobError(f"{addr}: push failed: {e}") from None
     finally:
-        sock.close()
+        chan.close()
 
 
 def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | memoryview],
@@ -128,10 +135,10 @@ def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | 
 
 def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,
                store: BlobStore | None) -> bytearray | memoryview | None:
-    sock = _connect(addr, key, timeout)
+    chan = _connect(addr, key, timeout)
     try:
-        sock.sendall(wire.REQ.pack(b"G", d.encode("ascii"), 0))
-        status, length = _read_reply(sock, addr)
+        chan.send(wire.REQ.pack(b"G", d.encode("ascii"), 0))
+        status, length = _read_reply(chan, addr)
         if status == b"N":
             return None
         if status != b"O":
@@ -143,7 +150,7 @@ def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,
         except MemoryError:
             raise BlobError(f"{addr}: no memory for a value of {length} bytes") from None
         view = memoryview(buf)[:length]
-        got = wire.recv_body(sock, view, verify=True)
+        got = wire.recv_body(chan, view, verify=True)
         del view
         if got != d:
             if store is not None:
@@ -154,10 +161,10 @@ def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,
         store.adopt(d, buf, length)
         del buf
         return store.get(d)
-    except (wire.Closed, OSError) as e:
+    except (wire.Closed, wire.Tampered, OSError) as e:
         raise BlobError(f"{addr}: fetch failed: {e}") from None
     finally:
-        sock.close()
+        chan.close()
 
 
 def fetch(addrs: list[str], key: bytes, d: str, timeout: float = 30, *,

@@ -1,5 +1,5 @@
-"""A replica's blob server: background threads that answer its peers' authenticated ``GET`` and
-``PUT`` requests (protocol: :mod:`gpuhub.replication.blobwire`) from its
+"""A replica's blob server: background threads that answer its peers' authenticated, encrypted
+``GET`` and ``PUT`` requests (protocol: :mod:`gpuhub.replication.blobwire`) from its
 :class:`~gpuhub.replication.blobstore.BlobStore`."""
 
 from __future__ import annotations
@@ -138,56 +138,62 @@ class BlobServer:
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         who = f"{peer[0]}:{peer[1]}"
+        chan: wire.Channel | None = None
         try:
             conn.settimeout(self.handshake_timeout)
             wire.tune(conn)
-            if not self._handshake(conn, who):
+            chan = self._handshake(conn, who)
+            if chan is None:
                 return
             conn.settimeout(self.idle_timeout)
             while not self._stopping.is_set():
                 try:
-                    header = conn.recv(wire.REQ.size, socket.MSG_WAITALL)
+                    header = chan.recv(wire.REQ.size, eof_ok=True)
                 except TimeoutError:
                     return
-                if not header:
+                if header is None:
                     return  # clean end between requests
-                if len(header) < wire.REQ.size:
+                if len(header) != wire.REQ.size:
                     raise _ProtocolError(f"truncated request header ({len(header)} bytes)")
-                self._request(conn, who, header)
+                self._request(chan, who, header)
         except _ProtocolError as e:
             self.log.warning("blob server %s: refused request from %s: %s", self.address, who, e)
-            self._reply(conn, b"E", str(e).encode())
+            self._reply(chan, b"E", str(e).encode())
+        except wire.Tampered as e:
+            self.log.warning("blob server %s: connection from %s closed: %s", self.address, who, e)
         except (wire.Closed, OSError) as e:
             if not self._stopping.is_set():
                 self.log.info("blob server %s: connection from %s ended: %s", self.address, who, e)
         except Exception:
             self.log.exception("blob server %s: error serving %s", self.address, who)
-            self._reply(conn, b"E", b"internal error")
+            self._reply(chan, b"E", b"internal error")
         finally:
             conn.close()
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def _handshake(self, conn: socket.socket, who: str) -> bool:
+    def _handshake(self, conn: socket.socket, who: str) -> wire.Channel | None:
         ns = secrets.token_bytes(wire.NONCE)
         conn.sendall(wire.MAGIC + ns)
         answer = wire.recv_exact(conn, wire.NONCE + wire.MAC)
         nc, mac = answer[:wire.NONCE], answer[wire.NONCE:]
         if not hmac.compare_digest(mac, wire.client_mac(self._key, ns, nc)):
-            self.log.warning("blob server %s: authentication failed for %s (wrong key); "
-                             "connection closed", self.address, who)
-            return False
+            self.log.warning("blob server %s: authentication failed for %s (wrong key, or a replica "
+                             "of another blob protocol version); connection closed", self.address, who)
+            return None
         conn.sendall(wire.server_mac(self._key, ns, nc))
-        return True
+        return wire.Channel(conn, self._key, ns, nc, client=False)
 
-    def _reply(self, conn: socket.socket, status: bytes, payload: bytes = b"") -> None:
+    def _reply(self, chan: wire.Channel | None, status: bytes, payload: bytes = b"") -> None:
+        if chan is None:
+            return  # not authenticated: nothing to say
         try:
-            conn.sendall(wire.REP.pack(status, len(payload)) + payload)
+            chan.send(wire.REP.pack(status, len(payload)) + payload[:wire.MAX_MSG])
         except OSError:
             pass
 
-    def _request(self, conn: socket.socket, who: str, header: bytes) -> None:
+    def _request(self, chan: wire.Channel, who: str, header: bytes) -> None:
         op, raw, length = wire.REQ.unpack(header)
         if not DIGEST_ASCII.fullmatch(raw):
             raise _ProtocolError("malformed request: bad digest")
@@ -197,17 +203,17 @@ class BlobServer:
                 raise _ProtocolError("malformed request: GET with a length")
             data = self.store.get(d)
             if data is None:
-                self._reply(conn, b"N")
+                self._reply(chan, b"N")
                 return
             mv = byte_view(data)
-            conn.sendall(wire.REP.pack(b"O", mv.nbytes))
-            wire.send_body(conn, mv)
+            chan.send(wire.REP.pack(b"O", mv.nbytes))
+            wire.send_body(chan, mv)
         elif op == b"P":
             if length > self.max_blob:
                 raise _ProtocolError(f"value of {length} bytes is over the limit of "
                                      f"{self.max_blob} bytes")
             if self.store.has(d):
-                self._reply(conn, b"O")
+                self._reply(chan, b"O")
                 return
             try:
                 buf = self.store.alloc(length)  # before "continue": a refusal costs no transfer
@@ -215,9 +221,9 @@ class BlobServer:
                 raise _ProtocolError(f"no memory for a value of {length} bytes") from None
             self.store.incoming(d)
             try:
-                conn.sendall(wire.REP.pack(b"C", 0))
+                chan.send(wire.REP.pack(b"C", 0))
                 view = memoryview(buf)[:length]
-                got = wire.recv_body(conn, view, self.verify)
+                got = wire.recv_body(chan, view, self.verify)
                 del view
                 if not self.verify or got == d:
                     self.store.adopt(d, buf, length)
@@ -227,10 +233,10 @@ class BlobServer:
                 self.store.recycle(buf)
                 self.log.warning("blob server %s: PUT from %s: digest mismatch for %s…; "
                                  "not stored", self.address, who, d[:16])
-                self._reply(conn, b"E", f"digest mismatch for {d}: not stored".encode())
+                self._reply(chan, b"E", f"digest mismatch for {d}: not stored".encode())
                 return
             del buf  # before the reply: the sender may retain() at once (see BlobStore._spare)
-            self._reply(conn, b"O")
+            self._reply(chan, b"O")
         else:
             raise _ProtocolError(f"malformed request: unknown op {op!r}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -185,15 +186,13 @@ def test_corrupt_data_is_rejected(servers, caplog):
 
 
 def raw_request(addr: str, payload: bytes) -> bytes:
-    """Authenticate, send ``payload`` as is, and return everything the server answers."""
-    sock = blobclient._connect(addr, KEY, 5)
-    with sock:
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        out = b""
-        while chunk := sock.recv(65536):
-            out += chunk
-        return out
+    """Authenticate, send ``payload`` as one record, and return the server's answer (one record)."""
+    chan = blobclient._connect(addr, KEY, 5)
+    try:
+        chan.send(payload)
+        return chan.recv(blobwire.REP.size + blobwire.MAX_MSG)
+    finally:
+        chan.close()
 
 
 def test_malformed_and_oversize_requests_are_refused_and_the_server_goes_on(servers):
@@ -226,6 +225,105 @@ def test_malformed_and_oversize_requests_are_refused_and_the_server_goes_on(serv
         push(srv.address, KEY, {"not-a-digest": b"v"})
 
 
+class Relay:
+    """A TCP relay between a blob client and server that keeps what passes each way and may change
+    one byte of it: what an eavesdropper or an attacker on the path sees and does."""
+
+    def __init__(self, target: str, flip: tuple[str, int] | None = None) -> None:
+        self.target, self.flip = target, flip  # flip: (direction, offset after the handshake)
+        self.handshake = {"up": blobwire.NONCE + blobwire.MAC,
+                          "down": len(blobwire.MAGIC) + blobwire.NONCE + blobwire.MAC}
+        self.seen = {"up": bytearray(), "down": bytearray()}
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            host, port = self.target.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        try:
+            while data := src.recv(65536):
+                data = bytearray(data)
+                seen = self.seen[direction]
+                if self.flip and self.flip[0] == direction:
+                    at = self.handshake[direction] + self.flip[1] - len(seen)
+                    if 0 <= at < len(data):
+                        data[at] ^= 0x01
+                seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_values_and_requests_cross_the_network_encrypted(servers):
+    (srv,) = servers(1)
+    relay = Relay(srv.address)
+    try:
+        secret = b"my-password-is-hunter2;" * 100_000  # 2.3 MB: several records
+        d = digest(secret)
+        push(relay.address, KEY, {d: secret})
+        assert bytes(fetch([relay.address], KEY, d)) == secret
+        for direction, seen in relay.seen.items():
+            assert len(seen) > len(secret), direction  # the value went up, then came down
+            assert b"hunter2" not in seen and d.encode() not in seen, direction
+    finally:
+        relay.close()
+
+
+@pytest.mark.parametrize("where", [0, 10, 5000, 1_500_000], ids=["length", "request", "body", "second-record"])
+def test_a_byte_changed_on_the_way_is_refused_and_nothing_is_stored(servers, caplog, where):
+    (srv,) = servers(1)
+    relay = Relay(srv.address, flip=("up", where))
+    value = bytes(range(256)) * 8192  # 2 MiB: two records
+    d = digest(value)
+    try:
+        with pytest.raises(BlobError):
+            push(relay.address, KEY, {d: value})
+    finally:
+        relay.close()
+    assert not srv.store.has(d) and len(srv.store) == 0
+    # the tag fails (or, for a changed length, the record is longer than the request may be)
+    wait_for(lambda: re.search(r"closed: a record (failed its authentication tag|of \d+ bytes where)", caplog.text),
+             10, "the server's warning")
+    push(srv.address, KEY, {d: value})  # and it goes on serving
+    assert bytes(srv.store.get(d)) == value
+
+
+def test_a_peer_of_the_earlier_protocol_is_named():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def old_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"GPHB\x01" + b"n" * blobwire.NONCE)  # version 1's hello
+            conn.recv(100)
+
+    threading.Thread(target=old_server, daemon=True).start()
+    try:
+        with pytest.raises(BlobError, match=r"protocol version 1.*must be restarted"):
+            push(f"127.0.0.1:{listener.getsockname()[1]}", KEY, {digest(b"v"): b"v"})
+    finally:
+        listener.close()
+
+
 def test_a_64_mib_value_round_trips(servers):
     (srv,) = servers(1)
     words = np.random.default_rng(1).integers(0, 2**63, (8 << 20) + 16, dtype=np.uint64)
@@ -250,12 +348,12 @@ def test_a_server_reuses_the_buffer_of_a_dropped_value(servers):
 
 def test_stop_returns_with_an_idle_connection_open(servers):
     (srv,) = servers(1)
-    sock = blobclient._connect(srv.address, KEY, 5)
+    chan = blobclient._connect(srv.address, KEY, 5)
     try:
         srv.stop()
-        assert sock.recv(1) == b""
+        assert chan.sock.recv(1) == b""
     finally:
-        sock.close()
+        chan.close()
 
 
 # --- large blobs into file-backed stores (a follower's; the store alone: tests/unit/test_blobstore.py)
