@@ -5,8 +5,8 @@
 - ``digest``: the one content hash (BLAKE3 tree) that names values everywhere;
 - large values travel beside the log, named there by digest: ``blobstore`` (a replica's values in
   memory, and ``copy_into``, the copy that fills its buffers), ``blobserver`` (answers its peers),
-  ``blobclient`` (push to / fetch from peers), ``blobwire`` (the authenticated protocol between
-  the two).
+  ``blobclient`` (push to / fetch from peers), ``blobwire`` (the authenticated, encrypted protocol
+  between the two).
 """
 
 import _socket
