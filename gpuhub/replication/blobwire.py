@@ -27,12 +27,14 @@ then at most one record (1 MiB) before that record's tag is checked. Messages, e
   by its UTF-8 message. A malformed request or a length over ``max_blob`` (:data:`MAX_BLOB` by
   default) is answered with ``E`` and the connection is closed; the server itself goes on serving.
 
-**Verification on receipt.** Both the server (on ``PUT``) and the client's ``fetch`` re-hash what
-they received before storing or returning it. The records already prove that the bytes are the
-ones an authenticated peer sent; the hash checks that they are the value the digest in the Raft
-log names (a faulty sender, a value that rotted in a peer's memory). Each 16 MiB chunk is hashed
-in the pool while the next one is still arriving (:func:`gpuhub.replication.digest.receive_and_digest`).
-``BlobServer(verify=False)`` skips the server's hash (measurements); ``fetch`` always verifies.
+**Verification on receipt.** ``fetch`` re-hashes what it received before it returns it: a
+value read back from a peer may have rotted in that peer's memory or disk. A ``PUT`` is re-hashed
+only by a ``BlobServer(verify=True)`` (the default): the replicas' own servers skip it, because
+the records already prove that every byte is the one a peer holding the kernel's key sent, and
+that peer hashed that very buffer for the digest it put in the log (a second hash would cost each
+follower 0.17 CPU-seconds per GiB on the dev VM and buy nothing the tags do not; docs/benchmarks.md). Each 16 MiB
+chunk is hashed in the pool while the next one is still arriving
+(:func:`gpuhub.replication.digest.receive_and_digest`).
 
 **Cost of the encryption.** AES-GCM runs at memory-like speed where the CPU has AES and carry-less
 multiply instructions (every x86 server since 2010, ARMv8): on the dev VM 6 GB/s per core
