@@ -131,12 +131,12 @@ class PoolPolicy:
 
     def wanted_gpus(self, servers: Sequence[PoolServer], demand_gpus: int) -> int:
         """GPUs to keep active: the demand plus the headroom, and room for the replicas placed."""
+        return self._wanted(demand_gpus, sum(v.pending for v in servers if v.state != "lost"))
+
+    def _wanted(self, demand_gpus: int, pending: int) -> int:
         s = self.settings
-        wanted = max(0, demand_gpus) + s.headroom_gpus
         # A server takes replicas up to pending = ratio x GPUs x replicas (placement.py).
-        pending = sum(v.pending for v in servers if v.state != "lost")
-        room = math.ceil(pending / (s.max_subscription_ratio * s.replicas))
-        return max(wanted, room)
+        return max(max(0, demand_gpus) + s.headroom_gpus, math.ceil(pending / (s.max_subscription_ratio * s.replicas)))
 
     def plan(self, servers: Sequence[PoolServer], demand_gpus: int, now: float,
              largest_request: int | None = None, lent: Collection[PoolServer] | None = None,
@@ -148,19 +148,6 @@ class PoolPolicy:
         raises ``min_active`` (the most replicas a kernel has: each needs a server of its own)."""
         s = self.settings
         least = max(s.min_active, min_servers)
-        by_state: dict[str, list[PoolServer]] = {st: [] for st in STATES}
-        for v in servers:
-            by_state[v.state].append(v)
-        total = len(servers)
-        if lent is None:
-            lent = sorted(by_state["lent"], key=lambda v: (-v.gpu_count, v.name))
-        else:
-            total += len(lent)
-        active, draining = by_state["active"], by_state["draining"]
-        coming = by_state["acquiring"]
-        wanted = self.wanted_gpus(servers, demand_gpus)
-        have = sum(v.gpu_count for v in active) + sum(v.gpu_count for v in coming)
-        count = len(active) + len(coming)
         per_gpu = s.max_subscription_ratio * s.replicas  # pending a server may hold per GPU
 
         def can_spare(v: PoolServer) -> bool:
@@ -169,7 +156,43 @@ class PoolPolicy:
             need = g if largest_request is None or largest_request > g else largest_request
             return g - v.committed >= need and per_gpu * g - v.pending >= need
 
-        spare = sum(1 for v in active if can_spare(v)) + len(coming)
+        # One pass over the servers (the simulator decides a million times a run): what each state
+        # holds, the GPUs active or coming, the replicas' room, the spares.
+        active: list[PoolServer] = []
+        draining: list[PoolServer] = []
+        coming: list[PoolServer] = []
+        lent_here: list[PoolServer] = []
+        have = pending = spare = 0
+        smallest = -1  # the fewest GPUs of an active server
+        for v in servers:
+            state = v.state
+            if state == "lost":
+                continue
+            pending += v.pending
+            if state == "active":
+                active.append(v)
+                g = v.gpu_count
+                have += g
+                if smallest < 0 or g < smallest:
+                    smallest = g
+                need = g if largest_request is None or largest_request > g else largest_request
+                if g - v.committed >= need and per_gpu * g - v.pending >= need:
+                    spare += 1
+            elif state == "draining":
+                draining.append(v)
+            elif state == "acquiring":
+                coming.append(v)
+                have += v.gpu_count
+            else:
+                lent_here.append(v)
+        total = len(servers)
+        if lent is None:
+            lent = sorted(lent_here, key=lambda v: (-v.gpu_count, v.name))
+        else:
+            total += len(lent)
+        wanted = self._wanted(demand_gpus, pending)
+        count = len(active) + len(coming)
+        spare += len(coming)
         cap = s.max_active or total
         # Released: drained servers that hold nothing any more.
         release = tuple(v.name for v in draining if v.replicas == 0 and v.committed == 0)
@@ -203,7 +226,7 @@ class PoolPolicy:
                             release=tuple(n for n in release if n not in undrain), wanted_gpus=wanted)
 
         # Enough, maybe too much: drain what is surplus once the surplus has lasted.
-        if count <= least or not active or have - min(v.gpu_count for v in active) < wanted:
+        if count <= least or not active or have - smallest < wanted:
             self.surplus_since = None  # no server to spare (the common case: decided without a sort)
             return PoolPlan(release=release, wanted_gpus=wanted)
         drain: list[str] = []

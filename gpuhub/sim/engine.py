@@ -865,7 +865,7 @@ class Simulator:
             return
         servers = []
         for n in self.pooled.values():
-            v = self._view(n)  # cached until the node's GPUs or replicas change
+            v = n.view or self._view(n)  # cached until the node's GPUs or replicas change
             cached = n.pool_server
             if cached is None or cached[0] is not v or cached[1] != n.pool:
                 ps = (PoolServer(n.name, v.gpu_count, n.pool) if n.pool == "acquiring" else
