@@ -56,7 +56,7 @@ test-cluster: venv host-deps
 	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
 
 test: venv $(TORCH) host-deps lint
-	$(BIN)/pytest -q -m "not cluster" tests
+	$(BIN)/pytest -q --durations=25 -m "not cluster" tests
 	$(MAKE) --no-print-directory test-cluster
 
 bench: venv
