@@ -11,8 +11,8 @@ Configurations:
 - ``cold``: the default store; every push lands in freshly allocated memory (page faults);
 - ``warm``: ``BlobStore(spare_bytes=…)`` and ``retain()`` after each push, as a replica does when
   a variable changes: the next value of that size reuses the dropped buffer;
-- ``warm-noverify``: as warm, with ``BlobServer(verify=False)`` (no re-hash on receipt: how the
-  replicas' own servers run since the records authenticate every byte);
+- ``warm-noverify``: as warm, with ``BlobServer(verify=False)`` (no re-hash on receipt: what the
+  hash costs);
 - ``memfd``: ``BlobStore(file_backed=True)``, as CPU kernels' replicas use (values received into
   a memfd, so they can be mapped copy-on-write; never reused, so cold like ``cold``).
 """

@@ -182,9 +182,7 @@ class Replica:
         # before the group, whose journal replays images as soon as it starts.
         self.disk = BlobDisk(os.path.join(journal_dir, "blobs"), self.store) if journal_dir else None
         host, port = self.me.blob.rsplit(":", 1)
-        # No second hash of what a peer pushes: the records authenticate every byte as the peer's,
-        # and the peer hashed that very buffer for the log (blobwire.py, "Verification on receipt").
-        self.blob_server = BlobServer(self.store, key, host, int(port), log=log, verify=False)
+        self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
         self.blob_server.start()
         others = [p.raft for p in peers if p.id != replica_id]
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))

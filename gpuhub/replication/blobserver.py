@@ -179,17 +179,18 @@ class BlobServer:
         answer = wire.recv_exact(conn, wire.NONCE + wire.MAC)
         nc, mac = answer[:wire.NONCE], answer[wire.NONCE:]
         if not hmac.compare_digest(mac, wire.client_mac(self._key, ns, nc)):
-            self.log.warning("blob server %s: authentication failed for %s (wrong key, or a replica "
-                             "of another blob protocol version); connection closed", self.address, who)
+            self.log.warning("blob server %s: authentication failed for %s (wrong key); "
+                             "connection closed", self.address, who)
             return None
         conn.sendall(wire.server_mac(self._key, ns, nc))
         return wire.Channel(conn, self._key, ns, nc, client=False)
 
     def _reply(self, chan: wire.Channel | None, status: bytes, payload: bytes = b"") -> None:
-        if chan is None:
-            return  # not authenticated: nothing to say
+        if chan is None or chan.broken:
+            return  # not authenticated, or the peer waits for the rest of a value: nothing to say
+        payload = payload[:wire.MAX_MSG]
         try:
-            chan.send(wire.REP.pack(status, len(payload)) + payload[:wire.MAX_MSG])
+            chan.send(wire.REP.pack(status, len(payload)) + payload)
         except OSError:
             pass
 

@@ -27,18 +27,22 @@ then at most one record (1 MiB) before that record's tag is checked. Messages, e
   by its UTF-8 message. A malformed request or a length over ``max_blob`` (:data:`MAX_BLOB` by
   default) is answered with ``E`` and the connection is closed; the server itself goes on serving.
 
-**Verification on receipt.** ``fetch`` re-hashes what it received before it returns it: a
-value read back from a peer may have rotted in that peer's memory or disk. A ``PUT`` is re-hashed
-only by a ``BlobServer(verify=True)`` (the default): the replicas' own servers skip it, because
-the records already prove that every byte is the one a peer holding the kernel's key sent, and
-that peer hashed that very buffer for the digest it put in the log (a second hash would cost each
-follower 0.17 CPU-seconds per GiB on the dev VM and buy nothing the tags do not; docs/benchmarks.md). Each 16 MiB
-chunk is hashed in the pool while the next one is still arriving
-(:func:`gpuhub.replication.digest.receive_and_digest`).
+**Verification on receipt.** Both the server (on ``PUT``) and the client's ``fetch`` re-hash what
+they received before storing or returning it. The records prove that the bytes are the ones a
+holder of the kernel's key sent; the hash proves that they are the value the digest names, which
+the records cannot: a sender may name a value by a digest it did not compute from those bytes (a
+GPU cell's child reports some digests from its change tracker), or hold a value that rotted in
+its memory, and a follower keeps what it stores (it answers later pushes of that digest with
+"already stored"). Each 16 MiB chunk is hashed in the pool while the next one is still arriving
+(:func:`gpuhub.replication.digest.receive_and_digest`). ``BlobServer(verify=False)`` is for
+measurements only.
 
 **Cost of the encryption.** AES-GCM runs at memory-like speed where the CPU has AES and carry-less
 multiply instructions (every x86 server since 2010, ARMv8): on the dev VM 6 GB/s per core
-(docs/benchmarks.md), against about 1.6 GB/s for the hash beside it.
+(docs/benchmarks.md), faster than the BLAKE3 hash beside it (3.6 GB/s per core).
+
+**What the network still sees:** who talks to whom, when, and how long each record is, so the
+size of each value sent (not its bytes, nor its digest).
 
 **Copies.** The sender encrypts each record from ``memoryview`` slices of the caller's buffer into
 one reused record buffer; the receiver allocates the value's buffer once, receives each record
@@ -134,6 +138,7 @@ class Channel:
         self._sent = self._received = 0
         self._out: bytearray | None = None  # one record's buffer each way, reused
         self._in: bytearray | None = None
+        self.broken = False  # a value was cut off midway: the peer would read any message as its rest
 
     def close(self) -> None:
         self.sock.close()
@@ -206,14 +211,22 @@ class Channel:
 
 
 def send_body(chan: Channel, mv: memoryview) -> None:
-    for i in range(0, len(mv), RECORD):
-        chan.send(mv[i:i + RECORD])
+    try:
+        for i in range(0, len(mv), RECORD):
+            chan.send(mv[i:i + RECORD])
+    except BaseException:
+        chan.broken = True
+        raise
 
 
 def recv_body(chan: Channel, mv: memoryview, verify: bool) -> str | None:
     """Fill ``mv`` from the records that come; with ``verify``, hash each chunk in the pool while
     the next one arrives and return the root digest of what came."""
-    return receive_and_digest(mv, chan.recv_into, verify)
+    try:
+        return receive_and_digest(mv, chan.recv_into, verify)
+    except BaseException:
+        chan.broken = True
+        raise
 
 
 def client_mac(key: bytes, ns: bytes, nc: bytes) -> bytes:
