@@ -203,7 +203,9 @@ class Channel:
         """Fill ``dest`` exactly with the records that come."""
         pos, end = 0, len(dest)
         while pos < end:
-            header, n = self._header(eof_ok=False)  # type: ignore[misc]
+            got = self._header(eof_ok=False)
+            assert got is not None  # (without eof_ok, an end is Closed)
+            header, n = got
             if n == 0 or n > min(end - pos, RECORD):
                 raise Tampered(f"a record of {n} bytes where {min(end - pos, RECORD)} were due")
             self._open_into(header, n, dest[pos:pos + n])

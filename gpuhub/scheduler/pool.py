@@ -175,9 +175,7 @@ class PoolPolicy:
                 have += g
                 if smallest < 0 or g < smallest:
                     smallest = g
-                need = g if largest_request is None or largest_request > g else largest_request
-                if g - v.committed >= need and per_gpu * g - v.pending >= need:
-                    spare += 1
+                spare += can_spare(v)
             elif state == "draining":
                 draining.append(v)
             elif state == "acquiring":

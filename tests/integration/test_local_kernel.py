@@ -78,6 +78,18 @@ class LocalKernel:
                 pass
 
 
+def assert_everything_stopped(lk: LocalKernel, ready: dict, workdir: Path) -> None:
+    """local-kernel has ended: no replica, agent or scheduler it started runs, and the connection
+    file it wrote is gone (as a kernel manager removes the file it wrote)."""
+    started = [*ready["agents"], ready["scheduler"], *(r["pid"] for r in ready["replicas"])]
+    # local-kernel waited for its daemons; replicas lead sessions of their own, so check each.
+    wait_for(lambda: not any(running(p) for p in started), timeout=30,
+             what="every replica, agent and scheduler process to be gone")
+    assert processes_using(workdir) == {}
+    assert "local kernel stopped" in lk.stderr()
+    assert not lk.connection_file.exists()
+
+
 def test_ctrl_c_to_the_process_group_stops_every_replica_and_daemon(tmp_path):
     lk = LocalKernel(tmp_path, "--replicas", "3")
     try:
@@ -90,17 +102,11 @@ def test_ctrl_c_to_the_process_group_stops_every_replica_and_daemon(tmp_path):
         finally:
             kc.stop_channels()
         replicas = [r["pid"] for r in ready["replicas"]]
-        daemons = [*ready["agents"], ready["scheduler"]]
         assert len(replicas) == 3 and all(is_unit_process(p) for p in replicas)
         # What a terminal does on Ctrl-C: SIGINT to every process of the foreground group.
         os.killpg(lk.proc.pid, signal.SIGINT)
         assert lk.proc.wait(60) == 0, lk.stderr()
-        # local-kernel waited for its daemons; replicas lead sessions of their own, so check each.
-        wait_for(lambda: not any(running(p) for p in replicas + daemons), timeout=30,
-                 what="every replica, agent and scheduler process to be gone")
-        assert processes_using(tmp_path / "work") == {}
-        assert "local kernel stopped" in lk.stderr()
-        assert not lk.connection_file.exists()
+        assert_everything_stopped(lk, ready, tmp_path / "work")
     finally:
         lk.close(tmp_path / "work")
 
@@ -119,12 +125,7 @@ def test_a_kernel_its_client_shuts_down_ends_local_kernel_and_everything_it_star
             kc.stop_channels()
         assert lk.proc.wait(120) == 0, lk.stderr()
         assert "the kernel was shut down by its client" in lk.stderr()
-        assert "local kernel stopped" in lk.stderr()
-        daemons = [*ready["agents"], ready["scheduler"]] + [r["pid"] for r in ready["replicas"]]
-        wait_for(lambda: not any(running(p) for p in daemons), timeout=30,
-                 what="every replica, agent and scheduler process to be gone")
-        assert processes_using(tmp_path / "work") == {}
-        assert not lk.connection_file.exists()  # as a kernel manager removes the file it wrote
+        assert_everything_stopped(lk, ready, tmp_path / "work")
     finally:
         lk.close(tmp_path / "work")
 
