@@ -53,7 +53,9 @@ test-gpu: venv $(TORCH)
 # tests (pytest -m cluster), then the cluster is removed.
 test-cluster: venv host-deps
 	scripts/host-deps.sh browser
-	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster
+	@mkdir -p .cache && rm -f .cache/cluster-tests.log
+	PATH="$(CURDIR)/$(BIN):$$PATH" GPUHUB_CLUSTER=ci $(BIN)/molecule test -s cluster \
+		|| { scripts/cluster-test-summary.sh .cache/cluster-tests.log; exit 2; }
 
 test: venv $(TORCH) host-deps lint
 	$(BIN)/pytest -q --durations=25 -m "not cluster" tests
