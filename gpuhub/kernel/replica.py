@@ -182,7 +182,7 @@ class Replica:
         # before the group, whose journal replays images as soon as it starts.
         self.disk = BlobDisk(os.path.join(journal_dir, "blobs"), self.store) if journal_dir else None
         host, port = self.me.blob.rsplit(":", 1)
-        self.blob_server = BlobServer(self.store, key, host, int(port), log=log)
+        self.blob_server = BlobServer(self.store, key, host, int(port), log=log, name=self.me.blob)
         self.blob_server.start()
         others = [p.raft for p in peers if p.id != replica_id]
         self.raft = RaftGroup(self.me.raft, others, key, journal_dir, members=len(peers))

@@ -45,14 +45,15 @@ def _connect(addr: str, key: bytes, timeout: float) -> wire.Channel:
                                 "changed it must be restarted (docs/install.md, Upgrading)")
             raise BlobError(f"{addr}: not a gpuhub blob server")
         ns, nc = hello[len(wire.MAGIC):], secrets.token_bytes(wire.NONCE)
-        sock.sendall(nc + wire.client_mac(key, ns, nc))
+        sock.sendall(nc + wire.client_mac(key, ns, nc, addr))  # bound to the server meant
         try:
             answer = wire.recv_exact(sock, wire.MAC)
         except (wire.Closed, ConnectionError):
-            raise BlobError(f"{addr}: authentication refused by the peer (wrong key?)") from None
-        if not hmac.compare_digest(answer, wire.server_mac(key, ns, nc)):
+            raise BlobError(f"{addr}: authentication refused by the peer (wrong key, or another "
+                            "server answers at that address)") from None
+        if not hmac.compare_digest(answer, wire.server_mac(key, ns, nc, addr)):
             raise BlobError(f"{addr}: the peer failed to authenticate (wrong key?)")
-        return wire.Channel(sock, key, ns, nc, client=True)
+        return wire.Channel(sock, key, ns, nc, addr, client=True)
     except BaseException as e:
         sock.close()
         if isinstance(e, (wire.Closed, OSError)):

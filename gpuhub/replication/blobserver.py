@@ -27,7 +27,9 @@ class _ProtocolError(Exception):
 class BlobServer:
     """Serves a :class:`BlobStore` to the replica's peers from background threads.
 
-    ``port=0`` picks a free port; :attr:`address` is ``host:port`` once started. ``max_blob`` caps
+    ``port=0`` picks a free port; :attr:`address` is ``host:port`` once started. ``name`` is the
+    address its peers dial (the kernel's placement says it; :attr:`address` if not given): the
+    handshake binds it, so the server answers only connections meant for it. ``max_blob`` caps
     one value's length; ``verify=False`` stores authenticated PUTs without re-hashing them (see "Verification
     on receipt" in :mod:`gpuhub.replication.blobwire`); ``idle_timeout`` bounds how long a silent
     connection holds its thread (``handshake_timeout`` one that has not authenticated yet), and at most
@@ -35,12 +37,12 @@ class BlobServer:
     """
 
     def __init__(self, store: BlobStore, key: bytes, host: str, port: int,
-                 log: logging.Logger | None = None, *, max_blob: int = wire.MAX_BLOB,
+                 log: logging.Logger | None = None, *, name: str | None = None, max_blob: int = wire.MAX_BLOB,
                  verify: bool = True, idle_timeout: float = 60.0,
                  handshake_timeout: float = 10.0, max_conns: int = 64) -> None:
         if not key:
             raise ValueError("BlobServer needs a non-empty key")
-        self.store, self.host, self.port = store, host, port
+        self.store, self.host, self.port, self.name = store, host, port, name
         self._key = bytes(key)
         self.log = log or LOG
         self.max_blob, self.verify = max_blob, verify
@@ -74,6 +76,8 @@ class BlobServer:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
+        if self.name is None:
+            self.name = self.address
         self._listener = sock
         self._stopping.clear()
         self._accept_thread = threading.Thread(
@@ -178,12 +182,13 @@ class BlobServer:
         conn.sendall(wire.MAGIC + ns)
         answer = wire.recv_exact(conn, wire.NONCE + wire.MAC)
         nc, mac = answer[:wire.NONCE], answer[wire.NONCE:]
-        if not hmac.compare_digest(mac, wire.client_mac(self._key, ns, nc)):
-            self.log.warning("blob server %s: authentication failed for %s (wrong key); "
-                             "connection closed", self.address, who)
+        assert self.name is not None  # set by start()
+        if not hmac.compare_digest(mac, wire.client_mac(self._key, ns, nc, self.name)):
+            self.log.warning("blob server %s: authentication failed for %s (wrong key, or meant for "
+                             "a server other than %s); connection closed", self.address, who, self.name)
             return None
-        conn.sendall(wire.server_mac(self._key, ns, nc))
-        return wire.Channel(conn, self._key, ns, nc, client=False)
+        conn.sendall(wire.server_mac(self._key, ns, nc, self.name))
+        return wire.Channel(conn, self._key, ns, nc, self.name, client=False)
 
     def _reply(self, chan: wire.Channel | None, status: bytes, payload: bytes = b"") -> None:
         if chan is None or chan.broken:

@@ -4,17 +4,23 @@
 One TCP connection per ``push``/``fetch`` call; all integers big-endian:
 
 1. server → client: ``MAGIC`` (5 bytes) + server nonce ``ns`` (32 random bytes);
-2. client → server: client nonce ``nc`` (32) + ``HMAC-SHA256(key, "gpuhub-blob client v2" || ns || nc)``;
+2. client → server: client nonce ``nc`` (32) + ``HMAC-SHA256(key, "gpuhub-blob client v2" || S || ns || nc)``;
    a wrong answer: the server logs a WARNING (peer address only, never the key) and closes;
-3. server → client: ``HMAC-SHA256(key, "gpuhub-blob server v2" || nc || ns)``: the client checks it,
-   so a replica never sends values to, nor accepts values from, a server without the key.
+3. server → client: ``HMAC-SHA256(key, "gpuhub-blob server v2" || S || nc || ns)``: the client checks
+   it, so a replica never sends values to, nor accepts values from, a server without the key.
+
+``S`` is the server's name, length-prefixed: the ``host:port`` the kernel's placement gives that
+replica's blob server, which is what its peers dial. All replicas of a kernel share its key, so
+without ``S`` an attacker on the path could send a push meant for one replica to another of the same
+kernel (both would answer it), and the sender would count a copy where there is none.
 
 From then on every byte both ways travels in **records** (:class:`Channel`): ``length (u32)`` +
 that many bytes of AES-256-GCM ciphertext + its 16-byte tag, at most :data:`RECORD` bytes of
 plaintext each. Each direction has its own key, derived with HKDF-SHA256 from the kernel's key and
-both nonces (fresh for every connection), and counts its records: the nonce is the record's
+both nonces (fresh for every connection) and ``S``, and counts its records: the nonce is the record's
 number, and the length is the associated data. So a value is unreadable on the network, and a
-record that was changed, dropped, replayed, reordered or injected fails its tag: the receiver
+record that was changed, dropped, replayed, reordered, injected or redirected to another server
+fails its tag: the receiver
 stores nothing and closes. A peer must pass the handshake before the server buffers anything, and
 then at most one record (1 MiB) before that record's tag is checked. Messages, each in a record:
 
@@ -130,8 +136,9 @@ class Channel:
     """One connection after its handshake: every message both ways in AES-256-GCM records, each
     direction with its own key and record counter (see the module's docstring)."""
 
-    def __init__(self, sock: socket.socket, key: bytes, ns: bytes, nc: bytes, *, client: bool) -> None:
-        keys = HKDF(algorithm=SHA256(), length=64, salt=ns + nc, info=_KEYS_INFO).derive(key)
+    def __init__(self, sock: socket.socket, key: bytes, ns: bytes, nc: bytes, server: str, *,
+                 client: bool) -> None:
+        keys = HKDF(algorithm=SHA256(), length=64, salt=ns + nc, info=_KEYS_INFO + _named(server)).derive(key)
         to_server, to_client = AESGCM(keys[:32]), AESGCM(keys[32:])
         self.sock = sock
         self._seal, self._open = (to_server, to_client) if client else (to_client, to_server)
@@ -231,9 +238,14 @@ def recv_body(chan: Channel, mv: memoryview, verify: bool) -> str | None:
         raise
 
 
-def client_mac(key: bytes, ns: bytes, nc: bytes) -> bytes:
-    return hmac.new(key, _CLIENT_LABEL + ns + nc, hashlib.sha256).digest()
+def _named(server: str) -> bytes:
+    raw = server.encode()
+    return len(raw).to_bytes(2, "big") + raw  # the length first: no two names run into the nonces alike
 
 
-def server_mac(key: bytes, ns: bytes, nc: bytes) -> bytes:
-    return hmac.new(key, _SERVER_LABEL + nc + ns, hashlib.sha256).digest()
+def client_mac(key: bytes, ns: bytes, nc: bytes, server: str) -> bytes:
+    return hmac.new(key, _CLIENT_LABEL + _named(server) + ns + nc, hashlib.sha256).digest()
+
+
+def server_mac(key: bytes, ns: bytes, nc: bytes, server: str) -> bytes:
+    return hmac.new(key, _SERVER_LABEL + _named(server) + nc + ns, hashlib.sha256).digest()

@@ -234,15 +234,23 @@ def test_malformed_and_oversize_requests_are_refused_and_the_server_goes_on(serv
 class Relay:
     """A TCP relay between a blob client and server that keeps what passes each way and may change
     one byte of it: what an eavesdropper or an attacker on the path sees and does. What it keeps,
-    and so the offset of the byte it changes, counts from the first connection through it."""
+    and so the offset of the byte it changes, counts from the first connection through it.
 
-    def __init__(self, target: str, flip: tuple[str, int] | None = None) -> None:
-        self.target, self.flip = target, flip  # flip: (direction, offset after the handshake)
+    While it stands, ``target`` is named at the relay's address (as behind a port forward: that is
+    the address its peers dial, which the handshake binds); ``close`` gives it its own name back.
+    With ``name_it=False`` it keeps its name: the relay redirects to a server that was not meant."""
+
+    def __init__(self, target: BlobServer, flip: tuple[str, int] | None = None, *, name_it: bool = True) -> None:
+        self.server, self.flip = target, flip  # flip: (direction, offset after the handshake)
+        self.target = target.address
         self.handshake = {"up": blobwire.NONCE + blobwire.MAC,
                           "down": len(blobwire.MAGIC) + blobwire.NONCE + blobwire.MAC}
         self.seen = {"up": bytearray(), "down": bytearray()}
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.own_name = target.name
+        if name_it:
+            target.name = self.address
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -283,11 +291,12 @@ class Relay:
         except OSError:
             pass
         self.listener.close()
+        self.server.name = self.own_name
 
 
 def test_values_and_requests_cross_the_network_encrypted(servers):
     (srv,) = servers(1)
-    relay = Relay(srv.address)
+    relay = Relay(srv)
     try:
         secret = b"my-password-is-hunter2;" * 100_000  # 2.3 MB: several records
         d = digest(secret)
@@ -304,7 +313,7 @@ def test_values_and_requests_cross_the_network_encrypted(servers):
 @pytest.mark.parametrize("where", [0, 10, 5000, 1_500_000], ids=["length", "request", "body", "second-record"])
 def test_a_byte_changed_on_the_way_is_refused_and_nothing_is_stored(servers, caplog, where, verify):
     (srv,) = servers(1, verify=verify)
-    relay = Relay(srv.address, flip=("up", where))
+    relay = Relay(srv, flip=("up", where))
     value = bytes(range(256)) * 8192  # 2 MiB: two records
     d = digest(value)
     try:
@@ -326,7 +335,7 @@ def test_a_byte_changed_on_the_way_back_fails_the_fetch(servers):
     d = digest(value)
     srv.store.put(d, value)
     store = BlobStore()
-    relay = Relay(srv.address, flip=("down", 100_000))  # in the value's first record
+    relay = Relay(srv, flip=("down", 100_000))  # in the value's first record
     try:
         with pytest.raises(BlobError, match="fetch failed: a record failed its authentication tag"):
             fetch([relay.address], KEY, d, store=store)
@@ -335,11 +344,12 @@ def test_a_byte_changed_on_the_way_back_fails_the_fetch(servers):
     assert not store.has(d) and len(store) == 0
 
 
-def fed_channel(ns: bytes, nc: bytes, *, client: bool) -> tuple[blobwire.Channel, socket.socket]:
-    """A channel as one end of the connection with nonces ``ns``, ``nc`` sees it, and the socket
-    whose bytes it receives (what an attacker on the path would write)."""
+def fed_channel(ns: bytes, nc: bytes, *, client: bool,
+                server: str = "10.0.0.2:7000") -> tuple[blobwire.Channel, socket.socket]:
+    """A channel as one end of the connection with nonces ``ns``, ``nc`` to ``server`` sees it, and
+    the socket whose bytes it receives (what an attacker on the path would write)."""
     ours, theirs = socket.socketpair()
-    return blobwire.Channel(ours, KEY, ns, nc, client=client), theirs
+    return blobwire.Channel(ours, KEY, ns, nc, server, client=client), theirs
 
 
 def raw_record(sock: socket.socket) -> bytes:
@@ -359,9 +369,10 @@ def test_records_are_bound_to_their_direction_order_and_connection():
         wire_end.close()
     assert first != second and b"same words" not in first + second  # the record number is the nonce
 
-    def opens(feed: bytes, ns: bytes = ns, nc: bytes = nc, client: bool = False) -> list:
+    def opens(feed: bytes, ns: bytes = ns, nc: bytes = nc, client: bool = False,
+              server: str = "10.0.0.2:7000") -> list:
         """What a receiver opens of ``feed``, up to the first record it refuses ("refused")."""
-        chan, feeder = fed_channel(ns, nc, client=client)
+        chan, feeder = fed_channel(ns, nc, client=client, server=server)
         try:
             feeder.sendall(feed)
             feeder.shutdown(socket.SHUT_WR)
@@ -383,6 +394,31 @@ def test_records_are_bound_to_their_direction_order_and_connection():
     assert opens(first + first) == [b"same words", "refused"]  # replayed
     assert opens(first, client=True) == ["refused"]  # reflected back to its sender
     assert opens(first, ns=os.urandom(blobwire.NONCE)) == ["refused"]  # into another connection
+    assert opens(first, server="10.0.0.3:7000") == ["refused"]  # to another server, same nonces
+
+
+def test_a_push_redirected_to_another_replica_of_the_kernel_is_refused(servers, caplog):
+    """The replicas of a kernel share its key: an attacker on the path who sends a connection meant
+    for one of them to another must not make the sender count a copy that is not where it thinks."""
+    meant, other = servers(2)
+    redirect = Relay(other, name_it=False)  # the address the sender dials leads to `other`
+    meant.name = redirect.address  # ...but names `meant`
+    caplog.set_level(logging.WARNING, logger="gpuhub.replication.blobserver")
+    d = digest(b"v")
+    try:
+        with pytest.raises(BlobError, match="authentication refused"):
+            push(redirect.address, KEY, {d: b"v"})
+        other.store.put(d, b"v")
+        with pytest.raises(BlobError, match="not available"):
+            fetch([redirect.address], KEY, d)
+    finally:
+        redirect.close()
+    assert not meant.store.has(d) and len(other.store) == 1
+    assert re.search(rf"meant for a server other than {re.escape(other.name)}", caplog.text)
+    push(other.address, KEY, {digest(b"w"): b"w"})  # each still answers for its own name
+    meant.name = meant.address
+    push(meant.address, KEY, {d: b"v"})
+    assert meant.store.has(d)
 
 
 def test_a_peer_of_the_earlier_protocol_is_named():
