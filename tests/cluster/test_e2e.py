@@ -254,6 +254,22 @@ def test_users_servers_call_the_hub_api_over_tls_with_a_certificate_of_the_clust
                  f"server_hostname={cluster.hub!r}).close()")
 
 
+def test_the_hubs_plain_api_port_listens_on_loopback_only(cluster, alice):
+    """With the servers on the proxy's TLS port, nothing off the hub host needs the plain-HTTP API
+    port: it listens on 127.0.0.1 (the proxy, the scheduler and the hub's services use it there),
+    and Prometheus scrapes the hub through the proxy (the scrape test checks that it answers)."""
+    hub = cluster.groups["hub"][0]
+    probe = ("import socket, sys\n"
+             "try:\n    socket.create_connection((sys.argv[1], 8081), 5).close(); print('open')\n"
+             "except OSError as e:\n    print(type(e).__name__)")
+    for host in [hub, *cluster.groups["notebook_hosts"], *cluster.groups["gpu_nodes"]]:
+        assert cluster.exec(host, "python3", "-c", probe, cluster.hub).strip() == "ConnectionRefusedError", host
+    assert cluster.exec(hub, "python3", "-c", probe, "127.0.0.1").strip() == "open"
+    config = cluster.exec(cluster.groups["monitoring"][0], "cat", "/etc/prometheus/prometheus.yml")
+    job = config.split("job_name: jupyterhub", 1)[1].split("job_name:", 1)[0]
+    assert f'"targets": ["{cluster.hub}:443"]' in job and '"__scheme__": "https"' in job, job
+
+
 def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
     """A second server of the same user, with the CPU profile (its description is on the form):
     its default kernel is the replicated CPU kernel, not the notebook host's plain python3."""
