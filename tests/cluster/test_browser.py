@@ -92,6 +92,11 @@ def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
         assert visible in [g["uuid"] for g in node_info(cluster, host)["gpus"]], (visible, host)
         prompt = page.locator(".jp-InputArea-prompt").first.inner_text()
         assert prompt.strip() == "[1]:", prompt  # In [1] for the first cell, as with any kernel
+        # No "Would you like to get notified about official Jupyter news?" (an internet fetch) for
+        # every user: the notebook host's page config switches the announcements plugin off.
+        disabled = page.evaluate("JSON.parse(document.getElementById('jupyter-config-data').textContent)"
+                                 ".disabledExtensions")
+        assert "@jupyterlab/apputils-extension:announcements" in disabled, disabled
         for name in notebooks(alice) - before:  # leave alice's files as they were
             alice.api("DELETE", f"/user/alice/browser/api/contents/{name}")
     finally:
