@@ -146,6 +146,7 @@ cmd_up() {
   podman network exists "$(net)" || podman network create "$(net)" >/dev/null
 
   local h c
+  local -a devopts
   for h in $(hosts); do
     c=$(ctr "$h")
     if podman container exists "$c"; then
@@ -154,10 +155,11 @@ cmd_up() {
       continue
     fi
     apt_seed "$h"
+    device_control_opts "$h"
     # SYS_ADMIN lets systemd inside set up the mount namespaces of hardened units
     # (ProtectSystem=, PrivateTmp=) as it does on bare metal.
     podman run -d --name "$c" --hostname "$h" --network "$(net)" --ip "$(static_ip "$h")" --systemd=always \
-      --cap-add SYS_ADMIN \
+      --cap-add SYS_ADMIN "${devopts[@]}" \
       --label "gpuhub.cluster=$NAME" \
       -v "$dir/apt/$h:/var/cache/apt/archives:Z" \
       "$IMAGE" /sbin/init >/dev/null
@@ -167,6 +169,7 @@ cmd_up() {
   pub=$(cat "$dir/ssh/id_ed25519.pub")
   for h in $(hosts); do
     wait_systemd "$h"
+    fake_gpu_nodes "$h"
     # Ansible logs in as an ordinary admin account that may sudo, as on most sites: a task that
     # forgets to become root fails here as it would there.
     podman exec -i "$(ctr "$h")" sh -c '
@@ -176,6 +179,27 @@ cmd_up() {
   done
   write_inventory
   log "cluster $NAME is up: inventory $dir/inventory"
+}
+
+# GPU servers control their units' devices as on bare metal (the agent opens a GPU's device node to
+# a kernel only during a grant): systemd inside gets the cgroup hierarchy writable, in which it
+# makes its units' cgroups under the container's own, and the container may use the fake GPUs'
+# nodes (major FAKE_GPU_MAJOR, of the range Linux leaves to local use, served by no driver: an
+# open that the cgroup allows fails with ENXIO, one it refuses with EPERM). Other hosts keep
+# podman's default, a read-only hierarchy in which systemd enforces no device list.
+FAKE_GPU_MAJOR=242
+device_control_opts() {  # sets devopts, podman run's options for host $1
+  devopts=()
+  case "$1" in
+    gpu*) devopts=(--cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw "--device-cgroup-rule=c $FAKE_GPU_MAJOR:* rwm") ;;
+  esac
+}
+
+fake_gpu_nodes() {
+  case "$1" in gpu*) ;; *) return 0 ;; esac
+  # /dev is the container's tmpfs: made again at each start. 0666 like /dev/nvidia*.
+  podman exec "$(ctr "$1")" sh -c "for i in \$(seq 0 $((FAKE_GPUS - 1))); do
+    [ -e /dev/gpuhub-fake-gpu\$i ] || mknod -m 0666 /dev/gpuhub-fake-gpu\$i c $FAKE_GPU_MAJOR \$i; done"
 }
 
 write_inventory() {
@@ -258,7 +282,7 @@ write_inventory() {
     echo "gpuhub_fake_gpus:"
     local i
     for ((i = 0; i < FAKE_GPUS; i++)); do
-      echo "  - {name: Fake A100 40GB, memory_mib: 40960}"
+      echo "  - {name: Fake A100 40GB, memory_mib: 40960, device: /dev/gpuhub-fake-gpu$i}"
     done
   } >"$dir/group_vars/gpu_nodes.yml"
 }

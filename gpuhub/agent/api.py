@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field, ValidationInfo, field_validator
 from tornado.web import Application
 
+from gpuhub.agent.device_gate import DeviceGateError
 from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.quota_gate import QuotaRefused
@@ -251,14 +252,16 @@ class LeaseRequest(Body):
 class LeasesHandler(AgentHandler):
     callers = ("unit",)
 
-    def post(self) -> None:
+    async def post(self) -> None:
         unit = self.unit
         body = self.parse_body(LeaseRequest)
         gpus, pid = body.gpus, body.holder_pid
         try:
-            lease = self.agent.grant(unit, gpus, pid)
+            lease = await self.agent.grant_opened(unit, gpus, pid)
         except LeaseError as exc:
             raise ApiError(400, str(exc)) from None
+        except DeviceGateError as exc:
+            raise ApiError(503, str(exc)) from None
         except QuotaRefused as exc:  # waiting will not help: the kernel ends the cell with this message
             self.write_json({"error": str(exc), "quota": exc.limit}, 403)
             return

@@ -47,6 +47,14 @@ class AgentConfig(HttpLimits, MetricsAccess, TlsSettings):
                              "at least 7, from 1024 up.")
     gpus = Dict(config=True,
                 help="GPU inventory: backend = 'auto', 'nvml', 'fake' or 'none'; fake = [{name, memory_mib}].")
+    device_policy = Enum(["closed", "open"], default_value="closed", config=True,
+                         help="'closed': a unit opens systemd's pseudo devices, unit_devices and (kernels) the\n"
+                              "GPU driver's control node, and a GPU's device node only while a cell holds its\n"
+                              "grant. 'open': units open every device (no DevicePolicy=; the lease is advisory).")
+    unit_devices = List(Unicode(), config=True,
+                        help="More devices every kernel and server unit may open under device_policy 'closed':\n"
+                             "paths under /dev/ or systemd's char-<driver> / block-<driver> (e.g. /dev/fuse,\n"
+                             "char-infiniband_verbs).")
     limits = Dict(config=True, help="Resource limits of units: kernel_memory_max, kernel_cpu_quota, "
                                     "server_memory_max, server_cpu_quota (systemd values).")
 
@@ -59,6 +67,14 @@ class AgentConfig(HttpLimits, MetricsAccess, TlsSettings):
     @default("node_name")
     def _default_node_name(self) -> str:
         return os.uname().nodename
+
+    @validate("unit_devices")
+    def _check_unit_devices(self, proposal) -> list:
+        for d in proposal.value:
+            if not d.startswith(("/dev/", "char-", "block-")) or any(c.isspace() for c in d):
+                raise TraitError(f"unit_devices: {d!r} is not a path under /dev/ nor char-<driver> / block-<driver> "
+                                 "(access is always rw; no spaces)")
+        return proposal.value
 
     @validate("kernel_ports")
     def _check_kernel_ports(self, proposal) -> list:

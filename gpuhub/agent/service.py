@@ -19,6 +19,7 @@ from pathlib import Path
 
 import gpuhub
 from gpuhub.agent.config import AgentConfig
+from gpuhub.agent.device_gate import DeviceGate, DeviceGateError
 from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
 from gpuhub.agent.metrics import cell_gpu_wait_histogram
@@ -67,6 +68,8 @@ class Agent:
         )
         self.book = LeaseBook(self.inventory.count())
         self.runner = make_runner(config.unit_backend, config.runtime_dir, config.min_uid)
+        self.device_gate = DeviceGate(self.runner, self.inventory, config.unit_devices,
+                                      enabled=config.device_policy == "closed")
         self.units: dict[str, UnitRecord] = {}
         # Replicas a migration is moving away → when the fence lapses (monotonic): no new GPU
         # leases for them (see fence). In memory only: the move it guards takes seconds.
@@ -133,6 +136,7 @@ class Agent:
         for u in self.units.values():
             if u.kind == "kernel":
                 self.book.place(u.name, u.gpus)
+            self.device_gate.adopted(u.name, u.kind)  # its list is applied again just below
         self._leases_changed()
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
@@ -147,6 +151,10 @@ class Agent:
     def _leases_changed(self) -> None:
         self.inventory.leases_changed(self.book.busy)
         self._gpu_cache = (0.0, [])
+        held: dict[str, frozenset[int]] = {}
+        for lease in self.book.leases.values():
+            held[lease.holder] = held.get(lease.holder, frozenset()) | frozenset(lease.gpus)
+        self.device_gate.follow(held)
 
     def node_info(self) -> dict:
         return {
@@ -246,7 +254,7 @@ class Agent:
             env["CUDA_VISIBLE_DEVICES"] = ""
         argv, env = self.pinned(argv, env)
         spec = UnitSpec(name=name, kind=kind, user=user, argv=argv, env=env, cwd=cwd,
-                        memory_max=memory, cpu_quota=cpu, files=files)
+                        memory_max=memory, cpu_quota=cpu, files=files, devices=self.device_gate.at_start(kind))
         fresh_journal = journal is not None and not journal.exists()
         try:
             if journal is not None:
@@ -258,6 +266,7 @@ class Agent:
                 self.journals.remove(name)
             raise
         self.units[name] = record
+        self.device_gate.started(name, kind)
         if kind == "kernel":
             self.book.place(name, gpus)
         self.save()
@@ -311,6 +320,7 @@ class Agent:
         return path
 
     def _forget(self, name: str) -> None:
+        self.device_gate.forget(name)
         self.units.pop(name, None)
         self.fenced.pop(name, None)
         self.book.unplace(name)
@@ -401,6 +411,18 @@ class Agent:
         if lease:
             self._leases_changed()
             self.save()
+        return lease
+
+    async def grant_opened(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
+        """``grant``, answered once the unit may open the granted GPUs' device nodes: a cell must not
+        start before. DeviceGateError when they cannot be opened to it (the grant is given back)."""
+        lease = self.grant(unit, gpus, holder_pid)
+        if lease is not None:
+            try:
+                await self.device_gate.ready(unit.name)
+            except DeviceGateError:
+                self.release(unit, lease.lease_id)
+                raise
         return lease
 
     def fence(self, name: str) -> list[str] | None:

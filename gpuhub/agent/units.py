@@ -48,6 +48,8 @@ class UnitSpec:
     memory_max: str = ""
     cpu_quota: str = ""
     files: dict[str, str] = field(default_factory=dict)  # private files the unit reads, by name
+    # DeviceAllow= entries under DevicePolicy=closed (gpuhub/agent/device_gate.py); None: systemd's default
+    devices: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -204,6 +206,8 @@ class SystemdRunner:
             props += ["Restart=on-failure", "RestartSec=2", "StartLimitIntervalSec=60", "StartLimitBurst=3",
                       # a full disk: restarting would only meet it again (gpuhub/replication/journal_space.py)
                       f"RestartPreventExitStatus={DISK_FULL_EXIT}"]
+        if spec.devices is not None:
+            props += ["DevicePolicy=closed", *(f"DeviceAllow={d}" for d in spec.devices)]
         if spec.memory_max:
             props.append(f"MemoryMax={spec.memory_max}")
         if spec.cpu_quota:
@@ -215,6 +219,11 @@ class SystemdRunner:
         argv += ["--", *spec.argv]
         await self._run(*argv)
         return await self.status(spec.name)
+
+    async def set_devices(self, name: str, devices: tuple[str, ...]) -> None:
+        """Replace the running unit's device allow-list (``DeviceAllow=`` alone empties it first)."""
+        await self._run("systemctl", "set-property", "--runtime", f"{name}.service", "DevicePolicy=closed",
+                        "DeviceAllow=", *(f"DeviceAllow={d}" for d in devices))
 
     async def status(self, name: str) -> UnitStatus:
         out = await self._run(
@@ -289,6 +298,9 @@ class ProcessRunner(SystemdRunner):
     def write_user_file(self, path: Path, content: str, user: str, mode: int = 0o600) -> None:
         me = self._me(user)
         write_private(path, content, me.pw_uid, me.pw_gid, mode)
+
+    async def set_devices(self, name: str, devices: tuple[str, ...]) -> None:
+        raise UnitError("the process backend runs units as the agent's processes: it cannot limit their devices")
 
     async def start(self, spec: UnitSpec) -> UnitStatus:
         me = self._me(spec.user)

@@ -47,6 +47,11 @@ class GpuInventory(Protocol):
         """Device nodes a cell using GPU ``index`` needs (for DeviceAllow=)."""
         ...
 
+    def shared_device_paths(self) -> list[str]:
+        """Device nodes every GPU user needs whichever GPU it was granted (the driver's control
+        node): open to kernel units all the time; they give access to no GPU on their own."""
+        ...
+
     def leases_changed(self, leased: set[int]) -> None:
         """The agent's leases now hold the GPUs ``leased``. Real GPUs report their own use and
         ignore this; the fake's readings follow it."""
@@ -66,6 +71,9 @@ class NoGpus:
 
     def device_paths(self, index: int) -> list[str]:
         raise IndexError(index)
+
+    def shared_device_paths(self) -> list[str]:
+        return []
 
     def leases_changed(self, leased: set[int]) -> None:
         pass

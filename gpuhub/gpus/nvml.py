@@ -6,6 +6,12 @@ import threading
 
 from gpuhub.gpus.base import GpuInfo, GpuProcess
 
+# The control node every CUDA process opens, and unified memory's nodes by their driver's name
+# (systemd's char-<driver>): nvidia-uvm registers its major when CUDA first loads it, after the
+# agent started, and the agent's list is applied again at every grant. MIG's /dev/nvidia-caps are
+# not handed out yet.
+SHARED_DEVICES = ("/dev/nvidiactl", "char-nvidia-uvm")
+
 
 class NvmlUnavailable(RuntimeError):
     pass
@@ -33,6 +39,9 @@ class NvmlInventory:
     def device_paths(self, index: int) -> list[str]:
         minor = self._nvml.nvmlDeviceGetMinorNumber(self._nvml.nvmlDeviceGetHandleByIndex(index))
         return [f"/dev/nvidia{minor}"]
+
+    def shared_device_paths(self) -> list[str]:
+        return list(SHARED_DEVICES)
 
     def leases_changed(self, leased: set[int]) -> None:
         pass  # NVML reads the GPUs' real use

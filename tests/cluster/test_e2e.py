@@ -349,6 +349,47 @@ def test_a_cell_sees_neither_other_users_processes_nor_their_homes(cluster, alic
     assert not sees_pid1 and not writes_usr
 
 
+# Opens every fake GPU's node (scripts/cluster.sh: major 242, which no driver serves): ENXIO where
+# the unit's cgroup lets it through, EPERM where it refuses.
+OPEN_FAKE_GPUS = ('import errno,glob,json,os\nr={}\nfor p in sorted(glob.glob("/dev/gpuhub-fake-gpu*")):\n'
+                  ' try: os.close(os.open(p,os.O_RDWR)); r[p]="opened"\n'
+                  ' except OSError as e: r[p]=errno.errorcode[e.errno]\nprint(json.dumps(r))')
+
+
+def opens_in_unit(cluster, node: str, unit: str, user: str) -> dict[str, str]:
+    """What a process of ``user`` in ``unit``'s cgroup may open, as a terminal of its server or a
+    thread of its kernel would."""
+    cgroup = unit_props(cluster, node, unit, "ControlGroup")["ControlGroup"]
+    assert cgroup, f"{unit} has no cgroup on {node}"
+    out = cluster.exec(node, "sh", "-c", f'echo $$ > /sys/fs/cgroup/devices{cgroup}/cgroup.procs && '
+                       f'exec setpriv --reuid="$(id -u {user})" --regid="$(id -g {user})" --init-groups '
+                       f"python3 -c '{OPEN_FAKE_GPUS}'")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_cell_opens_only_its_granted_gpu_and_nothing_opens_one_outside_a_grant(cluster, alice, alice_kernel):
+    """Device access per grant (gpuhub/agent/device_gate.py): CUDA_VISIBLE_DEVICES is only a promise,
+    so the kernel's cgroup lets a cell open its granted GPU's node and no other; between cells its
+    kernel, and always the user's server, open none."""
+    kid, channel = alice_kernel
+    out = channel.run("import os, socket; print(socket.gethostname(), os.environ['CUDA_VISIBLE_DEVICES'])\n"
+                      + OPEN_FAKE_GPUS)
+    host, visible = out["stdout"].split()[:2]
+    opened = json.loads(out["stdout"].strip().splitlines()[-1])
+    gpus = node_info(cluster, host)["gpus"]
+    granted = next(g["index"] for g in gpus if g["uuid"] == visible)
+    assert opened == {f"/dev/gpuhub-fake-gpu{g['index']}": "ENXIO" if g["index"] == granted else "EPERM"
+                      for g in gpus}, (visible, opened)
+
+    assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU still committed after the cell"
+    unit = replica_units(cluster, kid)[host]["name"]
+    assert wait_for(lambda: "gpuhub-fake-gpu" not in unit_props(cluster, host, unit, "DeviceAllow")["DeviceAllow"],
+                    15), unit_props(cluster, host, unit, "DeviceAllow")
+    assert unit_props(cluster, host, unit, "DevicePolicy")["DevicePolicy"] == "closed"
+    assert set(opens_in_unit(cluster, host, unit, "alice").values()) == {"EPERM"}
+    assert set(opens_in_unit(cluster, "gpu1", "gpuhub-server-alice", "alice").values()) == {"EPERM"}
+
+
 def test_every_daemon_runs_in_the_shared_sandbox_and_only_the_agent_keeps_the_gpus(cluster):
     """roles/systemd_hardening's drop-in, as systemd applies it on every host: the daemons run (or,
     for the certificate metric's one-shot, ran) in it; the agent alone sees the host's devices and
