@@ -15,9 +15,10 @@ BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated
            "gpu": "bench.gpu_bench", "migration": "bench.migration_bench",
            "migration-policy": "bench.migration_policy_bench",
            "cluster-migration": "bench.cluster_migration_bench", "elastic": "bench.elastic_bench",
-           "elastic-bound": "bench.elastic_bound", "load": "bench.load_bench"}
+           "elastic-bound": "bench.elastic_bound", "load": "bench.load_bench",
+           "device-gate": "bench.device_gate_bench"}
 # Run only when named: they need a deployed podman cluster (scripts/cluster.sh).
-NEEDS_CLUSTER = ("cluster-migration", "load")
+NEEDS_CLUSTER = ("cluster-migration", "load", "device-gate")
 
 
 def main(argv: list[str]) -> int:

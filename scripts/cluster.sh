@@ -181,22 +181,19 @@ cmd_up() {
   log "cluster $NAME is up: inventory $dir/inventory"
 }
 
-# GPU servers control their units' devices as on bare metal (the agent opens a GPU's device node to
-# a kernel only during a grant): systemd inside gets the cgroup hierarchy writable, in which it
-# makes its units' cgroups under the container's own, and the container may use the fake GPUs'
-# nodes (major FAKE_GPU_MAJOR, of the range Linux leaves to local use, served by no driver: an
-# open that the cgroup allows fails with ENXIO, one it refuses with EPERM). Other hosts keep
-# podman's default, a read-only hierarchy in which systemd enforces no device list.
+# Hosts control their units' devices as bare metal does (the agent opens a GPU's device node to a
+# kernel only during a grant; servers and daemons get none): systemd inside gets the cgroup
+# hierarchy writable, in which it makes its units' cgroups under the container's own, and the
+# container may use the fake GPUs' nodes (major FAKE_GPU_MAJOR, of the range Linux leaves to local
+# use, served by no driver: an open that the cgroup allows fails with ENXIO, one it refuses with
+# EPERM). podman's default, a read-only hierarchy, would enforce no unit's device list.
 FAKE_GPU_MAJOR=242
 device_control_opts() {  # sets devopts, podman run's options for host $1
-  devopts=()
-  case "$1" in
-    gpu*) devopts=(--cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw "--device-cgroup-rule=c $FAKE_GPU_MAJOR:* rwm") ;;
-  esac
+  devopts=(--cgroupns=host -v /sys/fs/cgroup:/sys/fs/cgroup:rw "--device-cgroup-rule=c $FAKE_GPU_MAJOR:* rwm")
 }
 
 fake_gpu_nodes() {
-  case "$1" in gpu*) ;; *) return 0 ;; esac
+  # On every host, so that a user's server on a notebook host can be seen not to open them either.
   # /dev is the container's tmpfs: made again at each start. 0666 like /dev/nvidia*.
   podman exec "$(ctr "$1")" sh -c "for i in \$(seq 0 $((FAKE_GPUS - 1))); do
     [ -e /dev/gpuhub-fake-gpu\$i ] || mknod -m 0666 /dev/gpuhub-fake-gpu\$i c $FAKE_GPU_MAJOR \$i; done"

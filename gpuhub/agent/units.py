@@ -62,18 +62,26 @@ class UnitStatus:
 
 
 # Every kernel and server unit (docs/security.md): other users' processes and homes out of sight, no
-# setuid files, the system and kernel knobs read-only. Nothing here touches devices (ProtectClock and
-# PrivateDevices would close /dev/nvidia*: device access is the grant's business).
+# setuid files, the system and kernel knobs read-only, and the system calls no notebook needs and
+# kernel exploits like (setting clocks, modules, mounts, swap, raw I/O, obsolete and emulation calls)
+# answered EPERM. Devices are not closed here (PrivateDevices would hide /dev/nvidia*, ProtectClock
+# would add a DeviceAllow= that closes every other device even under device_policy "open"): a
+# unit's device list is the grant's business (gpuhub/agent/device_gate.py).
 USER_UNIT_HARDENING = (
     "ProtectSystem=full",
     "ProtectHome=tmpfs",
     "ProtectProc=invisible",
     "RestrictSUIDSGID=yes",
     "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
     "ProtectControlGroups=yes",
     "ProtectHostname=yes",
     "RestrictRealtime=yes",
     "LockPersonality=yes",
+    "SystemCallArchitectures=native",
+    "SystemCallFilter=~@clock @cpu-emulation @module @mount @obsolete @raw-io @reboot @swap",
+    "SystemCallErrorNumber=EPERM",
 )
 # uids that are no one's: the kernel's overflow uid (nobody) and (uid_t)-1, -2
 NOBODY_UIDS = frozenset({65534, 4294967294, 4294967295})

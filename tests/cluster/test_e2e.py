@@ -339,14 +339,29 @@ def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
 
 def test_a_cell_sees_neither_other_users_processes_nor_their_homes(cluster, alice_kernel):
     """The kernel unit's hardening (gpuhub/agent/units.py USER_UNIT_HARDENING): /home holds only the
-    user's own home, other users' processes (root's PID 1 among them) are invisible in /proc, and
-    nothing setuid can be made."""
+    user's own home, other users' processes (root's PID 1 among them) are invisible in /proc,
+    nothing setuid can be made, and the system calls of the filter are refused: adjtimex, which
+    only reads the clock's state here and which alice may call outside the unit, gives EPERM."""
     _kid, channel = alice_kernel
-    out = channel.run("import os, json; print(json.dumps([sorted(os.listdir('/home')), os.path.exists('/proc/1'), "
-                      "os.access('/usr/bin', os.W_OK)]))")
-    homes, sees_pid1, writes_usr = json.loads(out["stdout"].strip().splitlines()[-1])
+    out = channel.run(READS_CLOCK_STATE + "\nimport os, json; print(json.dumps([sorted(os.listdir('/home')), "
+                      "os.path.exists('/proc/1'), os.access('/usr/bin', os.W_OK), clock_state()]))")
+    homes, sees_pid1, writes_usr, clock = json.loads(out["stdout"].strip().splitlines()[-1])
     assert homes == ["alice"], homes
     assert not sees_pid1 and not writes_usr
+    assert clock == "EPERM", clock
+    host = channel.run(WHERE)["stdout"].split()[0]
+    outside = cluster.exec(host, "setpriv", "--reuid=alice", "--regid=alice", "--init-groups", "python3", "-c",
+                           READS_CLOCK_STATE + "\nprint(clock_state())")
+    assert outside.strip() == "ok", outside
+
+
+READS_CLOCK_STATE = """
+def clock_state():
+    import ctypes, errno
+    libc = ctypes.CDLL(None, use_errno=True)
+    timex = ctypes.create_string_buffer(512)  # modes 0: read only, open to any user
+    return "ok" if libc.adjtimex(timex) >= 0 else errno.errorcode[ctypes.get_errno()]
+"""
 
 
 # Opens every fake GPU's node (scripts/cluster.sh: major 242, which no driver serves): ENXIO where
@@ -383,11 +398,13 @@ def test_a_cell_opens_only_its_granted_gpu_and_nothing_opens_one_outside_a_grant
 
     assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU still committed after the cell"
     unit = replica_units(cluster, kid)[host]["name"]
-    assert wait_for(lambda: "gpuhub-fake-gpu" not in unit_props(cluster, host, unit, "DeviceAllow")["DeviceAllow"],
-                    15), unit_props(cluster, host, unit, "DeviceAllow")
+    # systemctl show leaves out an empty DeviceAllow=
+    assert wait_for(lambda: "gpuhub-fake-gpu" not in unit_props(cluster, host, unit, "DeviceAllow").get(
+        "DeviceAllow", ""), 15), unit_props(cluster, host, unit, "DeviceAllow")
     assert unit_props(cluster, host, unit, "DevicePolicy")["DevicePolicy"] == "closed"
     assert set(opens_in_unit(cluster, host, unit, "alice").values()) == {"EPERM"}
-    assert set(opens_in_unit(cluster, "gpu1", "gpuhub-server-alice", "alice").values()) == {"EPERM"}
+    notebook_host = cluster.groups["notebook_hosts"][0]  # where the test cluster's servers run
+    assert set(opens_in_unit(cluster, notebook_host, "gpuhub-server-alice", "alice").values()) == {"EPERM"}
 
 
 def test_every_daemon_runs_in_the_shared_sandbox_and_only_the_agent_keeps_the_gpus(cluster):

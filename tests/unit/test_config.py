@@ -54,6 +54,8 @@ scheduler_url = "http://10.0.0.1:8600"
 state_dir = "/var/lib/gpuhub/agent"
 unit_backend = "systemd"
 min_uid = 1000
+device_policy = "closed"
+unit_devices = ["/dev/fuse", "char-infiniband_verbs"]
 roles = ["gpu"]
 heartbeat_interval_s = 5
 kernel_ports = [20000, 29999]
@@ -61,7 +63,7 @@ kernel_ports = [20000, 29999]
 [gpus]
 backend = "fake"
 fake = [
-  { name = "A100", memory_mib = 40960 },
+  { name = "A100", memory_mib = 40960, device = "/dev/gpuhub-fake-gpu0" },
 ]
 
 [limits]
@@ -70,7 +72,9 @@ kernel_memory_max = "32G"
     c = load_settings(AgentConfig, p)
     assert (c.node_name, c.listen_address, c.port, c.roles) == ("gpu1", "0.0.0.0", 8601, ["gpu"])
     assert c.heartbeat_interval_s == 5.0 and isinstance(c.heartbeat_interval_s, float)
-    assert c.gpus == {"backend": "fake", "fake": [{"name": "A100", "memory_mib": 40960}]}
+    assert c.gpus == {"backend": "fake", "fake": [{"name": "A100", "memory_mib": 40960,
+                                                    "device": "/dev/gpuhub-fake-gpu0"}]}
+    assert c.device_policy == "closed" and c.unit_devices == ["/dev/fuse", "char-infiniband_verbs"]
     assert c.limits == {"kernel_memory_max": "32G"}
     assert c.lease_check_interval_s == 2.0 and c.venv == "/opt/gpuhub/venv"  # defaults stay
 
@@ -107,6 +111,9 @@ def test_the_file_becomes_the_settings_section_of_a_traitlets_config(tmp_path):
     ("kernel_ports = [30000, 30003]\n", "kernel_ports must be"),
     ("kernel_ports = [80, 2000]\n", "kernel_ports must be"),
     ('kernel_ports = ["a", "b"]\n', r"kernel_ports\[0\] must be an integer"),
+    ('device_policy = "auto"\n', "device_policy must be 'closed' or 'open', not 'auto'"),
+    ('unit_devices = ["/etc/passwd"]\n', r"unit_devices: '/etc/passwd' is not a path under /dev/"),
+    ('unit_devices = ["/dev/fuse rwm"]\n', r"unit_devices: '/dev/fuse rwm' is not .*no spaces"),
 ])
 def test_agent_config_errors_name_the_file_and_the_setting(tmp_path, text, message):
     p = write(tmp_path, text)

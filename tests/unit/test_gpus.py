@@ -34,6 +34,7 @@ def test_fake_inventory_shape():
     ([{"name": "x", "memory_mib": -1}], "positive integer"),
     ([{"name": "x", "vram": 1}], "unknown key"),
     (["A100"], "must be a table"),
+    ([{"name": "x", "device": "/tmp/gpu0"}], r"device must be a path under /dev/, not '/tmp/gpu0'"),
 ])
 def test_fake_config_errors(fake, message):
     with pytest.raises(GpuConfigError, match=message):
