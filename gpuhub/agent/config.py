@@ -47,6 +47,11 @@ class AgentConfig(HttpLimits, MetricsAccess, TlsSettings):
                              "at least 7, from 1024 up.")
     gpus = Dict(config=True,
                 help="GPU inventory: backend = 'auto', 'nvml', 'fake' or 'none'; fake = [{name, memory_mib}].")
+    server_tls_cert_file = Unicode(config=True,
+                                   help="Certificate (PEM) users' servers on this host serve https with; empty: plain\n"
+                                        "http. Its names must include kernel_ip, where the proxy reaches them.")
+    server_tls_key_file = Unicode(config=True, help="The key of server_tls_cert_file (each server gets a copy its "
+                                                    "user alone can read).")
     device_policy = Enum(["closed", "open"], default_value="closed", config=True,
                          help="'closed': a unit opens systemd's pseudo devices, unit_devices and (kernels) the\n"
                               "GPU driver's control node, and a GPU's device node only while a cell holds its\n"

@@ -15,6 +15,7 @@ from gpuhub.gpus.base import GpuConfigError
 from gpuhub.platform.config import ConfigError
 from gpuhub.platform.daemon import Daemon
 from gpuhub.platform.http_client import ApiClientError, call_json
+from gpuhub.platform.tls import cert_pair_context
 
 log = logging.getLogger("gpuhub.agent")
 
@@ -63,6 +64,9 @@ class AgentDaemon(Daemon):
         return files
 
     def init_service(self) -> None:
+        # Checked now, not at a user's first server start.
+        cert_pair_context(self.settings.server_tls_cert_file, self.settings.server_tls_key_file,
+                          ("server_tls_cert_file", "server_tls_key_file"))
         try:
             self.agent = Agent(self.settings)
         except GpuConfigError as exc:  # the [gpus] table of the file

@@ -21,6 +21,7 @@ class UnitRecord:
     connection: dict | None = None  # kernels: ip, 5 Jupyter ports, raft_port, blob_port, transport… (no key)
     replica_id: int = 0  # kernels: this replica's id in its kernel's Raft group
     key_sha256: str = ""  # kernels: a start under the same name must bring the same key
+    tls: bool = False  # servers: serves https (the agent gave it this host's servers' certificate)
 
 
 def raft_addr(conn: dict | None) -> str | None:

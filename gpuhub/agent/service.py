@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 # The end of a stopped unit's log that GET /api/v1/units/{name} shows (its start error, mostly).
 ERROR_LINES = 20
 ERROR_CHARS = 4000
+# A user server's copy of its host's servers' certificate and key, in the unit's directory.
+SERVER_TLS_CERT, SERVER_TLS_KEY = "server-tls.crt", "server-tls.key"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # How long a move's fence on a replica holds (Agent.fence): longer than a move takes (start
 # the new replica, change the group, stop the old one), short enough that a lost "call it off"
@@ -191,6 +193,17 @@ class Agent:
         symlink, or it would import code of a later release lazily (gpuhub/platform/releases.py)."""
         return releases.pin(argv, env, self.config.venv)
 
+    def server_tls_files(self) -> dict[str, str]:
+        """The certificate and key users' servers on this host serve https with (read at each start,
+        so a renewed pair needs no restart), as unit files; empty when none is configured."""
+        cert_path, key_path = self.config.server_tls_cert_file, self.config.server_tls_key_file
+        if not cert_path:
+            return {}
+        try:
+            return {SERVER_TLS_CERT: Path(cert_path).read_text(), SERVER_TLS_KEY: Path(key_path).read_text()}
+        except OSError as exc:
+            raise UnitError(f"cannot read the servers' TLS certificate or key: {exc}") from None
+
     def local_agent_url(self) -> str:
         """Where this server's units reach the agent."""
         return local_api_url(self.config)
@@ -248,6 +261,17 @@ class Agent:
             if not argv or not all(isinstance(a, str) for a in argv):
                 raise UnitError("a server unit needs 'argv', a list of strings")
             memory, cpu = limits.get("server_memory_max", ""), limits.get("server_cpu_quota", "")
+            tls = self.server_tls_files()
+            if tls:
+                # The server serves https with this host's servers' certificate (jupyterhub-singleuser
+                # reads these variables), so the proxy's traffic to it, users' cookies and notebooks,
+                # crosses the cluster network encrypted. No client certificate asked for.
+                files.update(tls)
+                udir = self.runner.unit_dir(name)
+                env.pop("JUPYTERHUB_SSL_CLIENT_CA", None)
+                env.update(JUPYTERHUB_SSL_CERTFILE=str(udir / SERVER_TLS_CERT),
+                           JUPYTERHUB_SSL_KEYFILE=str(udir / SERVER_TLS_KEY))
+                record.tls = True
         if kind == "server" or not gpus:
             # GPUs come with a grant only (a GPU cell's child sets its own): CUDA shows a CPU kernel,
             # a user's server and the local kernels it starts no device at all.

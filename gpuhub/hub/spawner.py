@@ -15,7 +15,7 @@ from collections.abc import Callable
 from urllib.parse import quote, urlparse
 
 from batchspawner import BatchSpawnerBase, JobStatus
-from traitlets import Dict, List, Unicode, default
+from traitlets import Bool, Dict, List, Unicode, default
 
 from gpuhub.platform.config import ConfigError, read_secret
 from gpuhub.platform.http_client import ApiClientError, call_json
@@ -74,6 +74,7 @@ class GpuhubSpawner(BatchSpawnerBase):
                       help="Every notebook host's gpuhub-agent: a new server goes to the one running the fewest "
                            "units. Empty: agent_url only.")
     job_agent = Unicode("", help="The agent that runs this server's unit (kept in the spawner's state)")
+    serves_tls = Bool(False, help="The agent started the server with a certificate (it serves https)")
     agent_token_file = Unicode("/etc/gpuhub/secrets/agent.token", config=True,
                                help="The token of the agents agent_token_files does not list")
     agent_token_files = Dict(Unicode(), config=True,
@@ -147,6 +148,13 @@ class GpuhubSpawner(BatchSpawnerBase):
         names = ", ".join(p["name"] for p in self.profiles)
         raise ValueError(f"unknown profile {wanted!r}; choose one of: {names}")
 
+    async def start(self):
+        """batchspawner's start, answered with a URL: https when the agent gave the server its host's
+        servers' certificate (the proxy then reaches it over TLS, the hub checks it is up the same way)."""
+        ip, port = await super().start()
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"{'https' if self.serves_tls else 'http'}://{host}:{int(port)}"
+
     # --- batchspawner's three verbs, through the agent -------------------------
     def _token(self, agent: str) -> str:
         """The token of the agent at URL ``agent``."""
@@ -163,12 +171,13 @@ class GpuhubSpawner(BatchSpawnerBase):
         name = unit_name_for(self.user.name, self.name)
         agent = await least_loaded_agent(list(self.agent_urls), self._token) if self.agent_urls else self.agent_url
         try:
-            await call_json("POST", f"{agent}/api/v1/units", self._token(agent), {
+            _, unit = await call_json("POST", f"{agent}/api/v1/units", self._token(agent), {
                 "name": name, "kind": "server", "user": self.user.name, "argv": argv, "env": env,
             }, timeout=60)
         except ApiClientError as exc:
             raise RuntimeError(f"the notebook host could not start your server: {exc.message}") from None
         self.job_id, self.job_agent = name, agent
+        self.serves_tls = bool(isinstance(unit, dict) and unit.get("tls"))
         self.log.info("started %s for %s with profile %s on %s", name, self.user.name, profile["name"],
                       urlparse(agent).hostname)
         return self.job_id

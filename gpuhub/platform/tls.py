@@ -34,12 +34,18 @@ def api_scheme(tls_cert_file: str) -> str:
 def server_context(settings: TlsSettings) -> ssl.SSLContext | None:
     """The context for tornado's ``ssl_options``, or None for plain HTTP. ConfigError (the daemon
     exits 2 naming the setting) when only one file is given or they cannot be loaded as a pair."""
-    cert, key = settings.tls_cert_file, settings.tls_key_file
+    return cert_pair_context(settings.tls_cert_file, settings.tls_key_file)
+
+
+def cert_pair_context(cert: str, key: str, names: tuple[str, str] = ("tls_cert_file", "tls_key_file")
+                      ) -> ssl.SSLContext | None:
+    """A server context of certificate ``cert`` and its ``key`` (settings ``names``), None when both
+    are empty; ConfigError naming the setting when one is missing or they are not a pair."""
     if not cert and not key:
         return None
     if not cert or not key:
-        missing = "tls_cert_file" if not cert else "tls_key_file"
-        raise ConfigError(f"{missing}: needed too when the other of tls_cert_file/tls_key_file is set")
+        missing = names[0] if not cert else names[1]
+        raise ConfigError(f"{missing}: needed too when the other of {names[0]}/{names[1]} is set")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:

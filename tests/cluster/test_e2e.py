@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
+from urllib.parse import urlparse
 
 import pytest
 import requests
@@ -252,6 +253,27 @@ def test_users_servers_call_the_hub_api_over_tls_with_a_certificate_of_the_clust
     cluster.exec(host, "python3", "-c", "import ssl, socket; ctx = ssl.create_default_context(); "
                  f"ctx.wrap_socket(socket.create_connection(({cluster.hub!r}, 443), 10), "
                  f"server_hostname={cluster.hub!r}).close()")
+
+
+def test_the_proxy_reaches_users_servers_over_tls_with_a_certificate_of_the_cluster_ca(cluster, alice):
+    """Users' cookies and notebooks cross the cluster network encrypted: the proxy's route to
+    alice's server is https, the server answers only TLS, with its host's servers' certificate
+    (cluster CA, the host's address), and her copy of its key is hers alone."""
+    hub = cluster.groups["hub"][0]
+    routes = json.loads(cluster.exec(hub, "sh", "-c", ". /etc/gpuhub/secrets/proxy.env && python3 -c '"
+                                     "import os, urllib.request as u; print(u.urlopen(u.Request("
+                                     "\"http://127.0.0.1:8001/api/routes\", headers={\"Authorization\": "
+                                     "\"token \" + os.environ[\"CONFIGPROXY_AUTH_TOKEN\"]})).read().decode())'"))
+    target = next(r["target"] for path, r in routes.items() if path.startswith("/user/alice"))
+    url = urlparse(target)
+    assert url.scheme == "https", routes
+    r = http_session(cluster).get(f"{target}/user/alice/api", timeout=10)  # verified against the cluster CA
+    assert r.status_code == 200 and "version" in r.json(), r.text[:300]
+    with pytest.raises(requests.ConnectionError):
+        http_session(cluster).get(f"http://{url.hostname}:{url.port}/user/alice/api", timeout=10)
+    host = cluster.groups["notebook_hosts"][0]
+    key = cluster.exec(host, "sh", "-c", "stat -c '%U %a' /run/gpuhub/units/gpuhub-server-alice/server-tls.key")
+    assert key.split() == ["alice", "400"], key
 
 
 def test_the_hubs_plain_api_port_listens_on_loopback_only(cluster, alice):

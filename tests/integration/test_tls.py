@@ -127,3 +127,37 @@ def test_a_daemon_with_a_broken_tls_setting_exits_2_naming_it(tmp_path, cas, set
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+def test_a_users_server_gets_its_hosts_servers_certificate_and_serves_with_it(tmp_path, cas, make_agent):
+    """docs/security.md: the agent gives a user's server a copy of its host's servers' certificate and
+    key that its user alone can read, points jupyterhub-singleuser at them, and says so (the spawner
+    then routes the proxy over https); a CA for client certificates in the request is dropped."""
+    import os
+    import ssl
+    import stat
+    from pathlib import Path
+
+    from gpuhub.dev.cluster import current_user
+
+    _, servers, _, _ = cas
+    a = make_agent(gpus=0, extra={"server_tls_cert_file": str(servers.cert), "server_tls_key_file": str(servers.key)})
+    probe = "import time; time.sleep(600)"
+    status, unit = a.call("POST", "/api/v1/units", {
+        "name": "gpuhub-server-tls1", "kind": "server", "user": current_user(), "argv": [sys.executable, "-c", probe],
+        "env": {"JUPYTERHUB_SSL_CLIENT_CA": "/tmp/elsewhere.pem", "JUPYTERHUB_SSL_KEYFILE": "/tmp/other.key"}})
+    assert status == 201 and unit["tls"] is True, unit
+    with open(f"/proc/{unit['main_pid']}/environ", "rb") as f:
+        env = dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+    assert "JUPYTERHUB_SSL_CLIENT_CA" not in env
+    for var, original in (("JUPYTERHUB_SSL_CERTFILE", servers.cert), ("JUPYTERHUB_SSL_KEYFILE", servers.key)):
+        copy = env[var]
+        assert copy.endswith(("server-tls.crt", "server-tls.key")) and "/gpuhub-server-tls1/" in copy, env
+        assert Path(copy).read_text() == Path(original).read_text()
+        assert stat.S_IMODE(os.stat(copy).st_mode) == 0o400 and os.stat(copy).st_uid == os.getuid()
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(env["JUPYTERHUB_SSL_CERTFILE"],
+                                                                        env["JUPYTERHUB_SSL_KEYFILE"])
+    _, plain = make_agent("plain", gpus=0).call("POST", "/api/v1/units", {
+        "name": "gpuhub-server-plain1", "kind": "server", "user": current_user(),
+        "argv": [sys.executable, "-c", "import time; time.sleep(600)"]})
+    assert plain["tls"] is False, plain
