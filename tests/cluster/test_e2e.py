@@ -260,7 +260,7 @@ def test_the_proxy_reaches_users_servers_over_tls_with_a_certificate_of_the_clus
     alice's server is https, the server answers only TLS, with its host's servers' certificate
     (cluster CA, the host's address), and her copy of its key is hers alone."""
     hub = cluster.groups["hub"][0]
-    routes = json.loads(cluster.exec(hub, "sh", "-c", ". /etc/gpuhub/secrets/proxy.env && python3 -c '"
+    routes = json.loads(cluster.exec(hub, "sh", "-c", "set -a && . /etc/gpuhub/secrets/proxy.env && python3 -c '"
                                      "import os, urllib.request as u; print(u.urlopen(u.Request("
                                      "\"http://127.0.0.1:8001/api/routes\", headers={\"Authorization\": "
                                      "\"token \" + os.environ[\"CONFIGPROXY_AUTH_TOKEN\"]})).read().decode())'"))
