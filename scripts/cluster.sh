@@ -194,9 +194,23 @@ device_control_opts() {  # sets devopts, podman run's options for host $1
 
 fake_gpu_nodes() {
   # On every host, so that a user's server on a notebook host can be seen not to open them either.
-  # /dev is the container's tmpfs: made again at each start. 0666 like /dev/nvidia*.
-  podman exec "$(ctr "$1")" sh -c "for i in \$(seq 0 $((FAKE_GPUS - 1))); do
-    [ -e /dev/gpuhub-fake-gpu\$i ] || mknod -m 0666 /dev/gpuhub-fake-gpu\$i c $FAKE_GPU_MAJOR \$i; done"
+  # /dev is the container's tmpfs, made again at each start (tests stop and start servers): a unit
+  # makes the nodes at every boot. 0666 like /dev/nvidia*.
+  podman exec -i "$(ctr "$1")" sh -c 'cat > /etc/systemd/system/gpuhub-test-fake-gpu-nodes.service &&
+    systemctl daemon-reload && systemctl enable --now --quiet gpuhub-test-fake-gpu-nodes.service' <<UNIT
+[Unit]
+Description=Test bed: device nodes of the fake GPUs (major $FAKE_GPU_MAJOR, served by no driver)
+DefaultDependencies=no
+Before=sysinit.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/sh -c 'for i in \$\$(seq 0 $((FAKE_GPUS - 1))); do [ -e /dev/gpuhub-fake-gpu\$\$i ] || mknod -m 0666 /dev/gpuhub-fake-gpu\$\$i c $FAKE_GPU_MAJOR \$\$i; done'
+
+[Install]
+WantedBy=sysinit.target
+UNIT
 }
 
 write_inventory() {
