@@ -17,6 +17,7 @@ import ctypes
 import getpass
 import io
 import os
+import pickle
 import signal
 import sys
 import time
@@ -220,5 +221,8 @@ def capture_image(shell, known: KnownBuffers, known_digest) -> SentImage:
     buffers = []
     for d, mv in zip(cap.digests, cap.buffers, strict=True):
         d = d or digest(mv)
-        buffers.append((d, mv.nbytes, None if d in known.stored else bytes(mv)))
+        if d in known.stored:
+            buffers.append((d, mv.nbytes, None))
+        else:  # out of band: the pipe reads it from this process's memory, no copy here
+            buffers.append((d, mv.nbytes, pickle.PickleBuffer(mv) if mv.contiguous else bytes(mv)))
     return SentImage(cap.stream, cap.names, buffers, cap.failed)

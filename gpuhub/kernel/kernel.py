@@ -25,7 +25,7 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import dirty
+from gpuhub.kernel import dirty, pipe
 from gpuhub.kernel import image as images
 from gpuhub.kernel.moves import MoveRequests
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
@@ -655,6 +655,7 @@ class GpuhubKernel(IPythonKernel):
         try:
             preparing = time.monotonic()
             out_r, out_w = os.pipe()
+            pipe.widen(out_w)  # the image's buffers come this way
             in_r, in_w = os.pipe()
             known = child.KnownBuffers.of(rep.resident, rep.store.digests())
             sys.stdout.flush()
@@ -696,7 +697,7 @@ class GpuhubKernel(IPythonKernel):
                         self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, replies)
-                if reader.eof and len(reader.buf) == 0:
+                if reader.eof and not reader.pending:
                     break
         finally:
             self._child_pid = None

@@ -1,0 +1,91 @@
+"""Frames between a replica and its GPU cell's child (gpuhub/kernel/pipe.py): small messages and
+large out-of-band buffers, whatever way the pipe splits them."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+from gpuhub.kernel.pipe import HEADER, FrameReader, FrameWriter, widen
+
+
+def read_all(reader: FrameReader, count: int) -> list[tuple]:
+    got: list[tuple] = []
+    while len(got) < count:
+        got += reader.poll(5.0)
+        assert not (reader.eof and len(got) < count), got
+    return got
+
+
+def test_messages_and_out_of_band_buffers_arrive_whole_and_in_order():
+    r, w = os.pipe()
+    widen(w)
+    big = np.arange(3 << 20, dtype=np.float64)  # 24 MiB: many pipe-fulls
+    sent = [("stream", "stdout", "hello\n"),
+            ("image", [("d1", big.nbytes, pickle.PickleBuffer(big)), ("d2", 0, pickle.PickleBuffer(b"")),
+                       ("d3", 5, None)], {"t": 1.5}),
+            ("done", {"status": "ok"})]
+
+    def write():
+        writer = FrameWriter(w)
+        for msg in sent:
+            writer.send(*msg)
+        os.close(w)
+
+    t = threading.Thread(target=write)
+    t.start()
+    reader = FrameReader(r)
+    got = read_all(reader, 3)
+    t.join()
+    assert got[0] == sent[0] and got[2] == sent[2]
+    (d1, n1, mem1), (d2, n2, mem2), third = got[1][1]
+    assert (d1, n1, d2, n2, third) == ("d1", big.nbytes, "d2", 0, ("d3", 5, None))
+    assert type(mem1) is bytearray and np.array_equal(np.frombuffer(mem1, dtype=np.float64), big)
+    assert mem2 == bytearray()
+    assert reader.poll(0.1) == [] and reader.eof and not reader.pending
+    os.close(r)
+
+
+@pytest.mark.parametrize("step", [1, 7, HEADER.size + 3, 4096])
+def test_a_frame_split_anywhere_is_put_together(step):
+    """The header, the pickle and each buffer may arrive in pieces of any size."""
+    frames = []
+    for msg in [("a", b"x" * 100), ("image", pickle.PickleBuffer(bytes(range(256)) * 40)), ("z",)]:
+        one = []
+        data = pickle.dumps(msg, protocol=5, buffer_callback=lambda b: one.append(b.raw()))
+        frames.append(HEADER.pack(len(data), len(one)) + b"".join(len(x).to_bytes(8, "big") for x in one) + data
+                      + b"".join(bytes(x) for x in one))
+    stream = b"".join(frames)
+    r, w = os.pipe()
+
+    def trickle():
+        for i in range(0, len(stream), step):
+            os.write(w, stream[i:i + step])
+        os.close(w)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    got = read_all(FrameReader(r), 3)
+    t.join()
+    os.close(r)
+    assert got[0] == ("a", b"x" * 100) and got[2] == ("z",)
+    assert got[1][0] == "image" and bytes(got[1][1]) == bytes(range(256)) * 40
+
+
+def test_a_writer_that_dies_mid_frame_leaves_it_pending():
+    r, w = os.pipe()
+    one = []
+    data = pickle.dumps(("image", pickle.PickleBuffer(b"y" * 1000)), protocol=5,
+                        buffer_callback=lambda b: one.append(b.raw()))
+    os.write(w, HEADER.pack(len(data), 1) + (1000).to_bytes(8, "big") + data + b"y" * 10)
+    os.close(w)
+    reader = FrameReader(r)
+    frames = []
+    while not reader.eof:
+        frames += reader.poll(1.0)
+    os.close(r)
+    assert frames == [] and reader.pending
