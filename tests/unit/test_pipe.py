@@ -13,6 +13,15 @@ import pytest
 from gpuhub.kernel.pipe import HEADER, FrameReader, FrameWriter, widen
 
 
+def frame(msg: tuple) -> bytes:
+    """The bytes FrameWriter.send writes for ``msg``."""
+    oob: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(msg, protocol=5, buffer_callback=oob.append)
+    raws = [b.raw() for b in oob]
+    return (HEADER.pack(len(data), len(raws)) + b"".join(len(x).to_bytes(8, "big") for x in raws) + data
+            + b"".join(bytes(x) for x in raws))
+
+
 def read_all(reader: FrameReader, count: int) -> list[tuple]:
     got: list[tuple] = []
     while len(got) < count:
@@ -53,13 +62,8 @@ def test_messages_and_out_of_band_buffers_arrive_whole_and_in_order():
 @pytest.mark.parametrize("step", [1, 7, HEADER.size + 3, 4096])
 def test_a_frame_split_anywhere_is_put_together(step):
     """The header, the pickle and each buffer may arrive in pieces of any size."""
-    frames = []
-    for msg in [("a", b"x" * 100), ("image", pickle.PickleBuffer(bytes(range(256)) * 40)), ("z",)]:
-        one = []
-        data = pickle.dumps(msg, protocol=5, buffer_callback=lambda b: one.append(b.raw()))
-        frames.append(HEADER.pack(len(data), len(one)) + b"".join(len(x).to_bytes(8, "big") for x in one) + data
-                      + b"".join(bytes(x) for x in one))
-    stream = b"".join(frames)
+    stream = b"".join(frame(msg) for msg in [("a", b"x" * 100), ("image", pickle.PickleBuffer(bytes(range(256)) * 40)),
+                                             ("z",)])
     r, w = os.pipe()
 
     def trickle():
@@ -78,10 +82,8 @@ def test_a_frame_split_anywhere_is_put_together(step):
 
 def test_a_writer_that_dies_mid_frame_leaves_it_pending():
     r, w = os.pipe()
-    one = []
-    data = pickle.dumps(("image", pickle.PickleBuffer(b"y" * 1000)), protocol=5,
-                        buffer_callback=lambda b: one.append(b.raw()))
-    os.write(w, HEADER.pack(len(data), 1) + (1000).to_bytes(8, "big") + data + b"y" * 10)
+    whole = frame(("image", pickle.PickleBuffer(b"y" * 1000)))
+    os.write(w, whole[:-990])  # the buffer's first 10 bytes
     os.close(w)
     reader = FrameReader(r)
     frames = []
