@@ -26,6 +26,8 @@ from gpuhub.replication import journal_space, raft_guard
 from gpuhub.replication.election import Election, local_choice
 
 log = logging.getLogger("gpuhub.replication")
+# A commit still retrying after this long is logged once (a cell that hangs leaves a trace).
+SLOW_COMMIT_S = 5.0
 
 KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for them
 
@@ -298,9 +300,15 @@ class RaftGroup:
         deadline = started + timeout_s
         delay = 0.02
         last = None
+        slow_logged = False
         while True:
             now = time.monotonic()
             remaining = deadline - now
+            if not slow_logged and now - started >= SLOW_COMMIT_S:
+                # the journal of a cell that hangs: which entry waited, and on what
+                log.warning("committing %r has taken %.0f s so far (last error: %s; leader: %s)", name,
+                            now - started, last, self._sync._getLeader())
+                slow_logged = True
             if remaining <= 0 or (now - started >= self.no_majority_s and not self.majority_connected()):
                 raise RaftUnavailable(f"the kernel's replicas could not agree on {name!r} within "
                                       f"{now - started:.0f} s ({last}); is a majority of them alive?")
