@@ -523,7 +523,7 @@ class Replica:
                 where = f" (on {gone.node or gone.raft})" if gone else ""
                 detail = (f"the replica {role}{where} left this kernel's group (it was moved to another server) "
                           "before the cell ended")
-            log.warning("replica %d: cell %s: %s; proposing to abort it", self.id, cell, detail)
+            log.warning("cell %s: %s; proposing to abort it", cell, detail)
             return self.abort(cell, -1, "executor-lost", detail, execution_count)
 
     def _blob(self, d: str):
