@@ -1,6 +1,7 @@
 """The forked child that runs one GPU cell (docs/architecture.md D2).
 
-The replica process never initialises CUDA. For each cell it forks; this child sets
+The replica process never initialises CUDA. For each cell it forks (ahead of need, see
+gpuhub/kernel/cell_process.py); this child sets
 ``CUDA_VISIBLE_DEVICES`` to exactly the granted GPUs *before any user code runs*, puts the
 namespace's GPU tensors back on their devices (:mod:`gpuhub.kernel.devices`), runs the cell
 against its copy-on-write view of the namespace, streams outputs to the parent over a pipe, and
@@ -43,10 +44,6 @@ class KnownBuffers:
 
     resident: dict[str, memoryview]  # digest -> the parent's memory holding it, unwritten (same address here)
     stored: frozenset[str]  # digests the parent's blob store has: their bytes need not be sent
-
-    @classmethod
-    def of(cls, resident: dict[str, memoryview], stored: set[str]) -> KnownBuffers:
-        return cls(dict(resident), frozenset(stored))
 
 
 @dataclass
@@ -145,20 +142,32 @@ def _display_objects(shell) -> tuple[PipeDisplayPublisher, PipeDisplayHook]:
             PipeDisplayHook(None, shell=shell, cache_size=shell.cache_size))
 
 
-def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions: dict,
-        gpu_uuids: list[str], out_fd: int, in_fd: int, known: KnownBuffers, execution_count: int) -> None:
-    """Run one cell in this (child) process and report to the parent. Never returns normally."""
+def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) -> None:
+    """In a process just forked from the replica: get ready for a cell (the part that needs no
+    cell), wait for one ("go" on ``in_fd``), run it and report to the parent. The replica forks
+    this process ahead of need (gpuhub/kernel/cell_process.py), so what is done before "go" (the
+    write tracker's arming over every large buffer, above all) costs the cell nothing. Returns
+    without running anything when the parent closes the pipe instead."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     modules = frozenset(sys.modules)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
     chan, replies = FrameWriter(out_fd), FrameReader(in_fd)
-
     # Not the parent's event loop (it was mid-iteration when we forked): a fresh policy makes a new
     # loop on first use only; most cells never ask for one (IPython's top-level await has its own).
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop_policy(None)
+    # Large buffers the cell does not write keep the parent's digests: not hashed, not sent. Armed
+    # before the cell comes: nothing writes this process's memory until then.
+    _, known_digest = images.track(resident, mode="forked-child", sentinel=False)
+    armed = time.monotonic()
+    go = replies.recv_blocking()
+    if go is None or go[0] != "go":
+        return  # discarded unused (the namespace changed, or the kernel is leaving)
+    cell = go[1]
+    marks = {"started": started, "armed": armed, "go": time.monotonic()}
+    known = KnownBuffers(dict(resident), frozenset(cell["stored"]))
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cell["gpu_uuids"])
 
     sys.stdout = PipeStream("stdout", chan)
     sys.stderr = PipeStream("stderr", chan)
@@ -190,29 +199,28 @@ def run(shell, code: str, *, silent: bool, store_history: bool, user_expressions
     getpass.getpass = lambda prompt="Password: ", stream=None: relayed_input(prompt, True)
 
     devices.move_tagged_to_devices()
-    # Large buffers the cell does not write keep the parent's digests: not hashed, not sent.
-    _, known_digest = images.track(known.resident, mode="forked-child", sentinel=False)
 
     # Run as IPython runs a cell, with this cell's number: it names the cell ("Cell In[n]", the
     # compiled code's file) and moves the prompt on (Out[n], _n). The history database is the
     # parent's to write (one SQLite writer): the child keeps what it records in memory.
-    shell.execution_count = execution_count
+    shell.execution_count = cell["execution_count"]
     shell.history_manager.db_cache_size = sys.maxsize  # never flushed here: the parent writes it
-    ready = time.monotonic()
-    result = shell.run_cell(code, store_history=store_history, silent=silent)
+    marks["ready"] = time.monotonic()
+    result = shell.run_cell(cell["code"], store_history=cell["store_history"], silent=cell["silent"])
     err = result.error_before_exec or result.error_in_exec
     done = {"status": "ok" if result.success else "error"}
     if not result.success:
         done.update(ename=type(err).__name__, evalue=str(err), traceback=shell._last_traceback or [])
         done["user_expressions"] = {}
     else:
-        done["user_expressions"] = shell.user_expressions(user_expressions or {})
+        done["user_expressions"] = shell.user_expressions(cell["user_expressions"] or {})
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
-    ran = time.monotonic()
+    marks["ran"] = time.monotonic()
     sent = capture_image(shell, known, known_digest)
     sent.imported = imported_since(modules)
-    chan.send("image", sent, {"started": started, "ready": ready, "ran": ran, "sent": time.monotonic()})
+    marks["sent"] = time.monotonic()
+    chan.send("image", sent, marks)
 
 
 def capture_image(shell, known: KnownBuffers, known_digest) -> SentImage:

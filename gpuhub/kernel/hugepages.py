@@ -60,12 +60,19 @@ def prefer_huge_pages(value) -> bool:
 
 
 _collapse_queue: queue.SimpleQueue | None = None
+_collapsing = 0  # values queued or being collapsed
+_collapsing_lock = threading.Lock()
+
+
+def busy() -> bool:
+    """Values are queued or being collapsed (a process forked now would share pages about to move)."""
+    return _collapsing > 0
 
 
 def collapse_later(value) -> None:
     """:func:`prefer_huge_pages` on a background thread (madvise releases the GIL), so collapsing a
     new large value costs the GPU kernel's next cells a cheaper fork, not this cell's reply."""
-    global _collapse_queue
+    global _collapse_queue, _collapsing
     try:
         where = _buffer_range(value)
     except (TypeError, ValueError, AttributeError):
@@ -76,11 +83,18 @@ def collapse_later(value) -> None:
         _collapse_queue = queue.SimpleQueue()
         threading.Thread(target=_collapse_worker, args=(_collapse_queue,), name="gpuhub-huge-pages",
                          daemon=True).start()
+    with _collapsing_lock:
+        _collapsing += 1
     _collapse_queue.put(value)
 
 
 def _collapse_worker(work: queue.SimpleQueue) -> None:
+    global _collapsing
     while True:
         value = work.get()
-        prefer_huge_pages(value)
-        del value  # do not keep the last value alive while waiting
+        try:
+            prefer_huge_pages(value)
+        finally:
+            del value  # do not keep the last value alive while waiting
+            with _collapsing_lock:
+                _collapsing -= 1

@@ -7,7 +7,8 @@ The agent always gives a kernel its peers file (a group of one at least); only a
 run without one, started by hand, as a plain IPython kernel.
 
 Where a cell is executed: :meth:`GpuhubKernel.do_execute` → :meth:`_execute_replicated` (election)
-→ :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.child.run`.
+→ :meth:`_run_here` → in-process, or :meth:`_run_child` → :func:`gpuhub.kernel.child.serve` in a
+process forked ahead of need (:mod:`gpuhub.kernel.cell_process`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import dirty, pipe
+from gpuhub.kernel import dirty, hugepages
 from gpuhub.kernel import image as images
+from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess
 from gpuhub.kernel.moves import MoveRequests
-from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.kernel.pipe import FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.replica import Replica
 from gpuhub.kernel.warm_imports import ImportWarmer
@@ -40,15 +42,21 @@ ABORT_NAMES = {"executor-lost": "ExecutorLost", "no-gpu": "GpuWaitTimeout", "int
                "majority-lost": "ReplicasUnavailable", "quota": "GpuQuotaExceeded"}
 
 
-def _child_phases(forking: float, marks: dict[str, float], received: float) -> dict[str, float]:
-    """Where a GPU cell's child spent its time (CLOCK_MONOTONIC is one clock for both processes)."""
-    return {"fork": marks["started"] - forking, "setup": marks["ready"] - marks["started"],
-            "cell": marks["ran"] - marks["ready"], "delta": marks["sent"] - marks["ran"],
-            "pipe": received - marks["sent"]}
+def _child_phases(forking: float | None, handed: float, marks: dict[str, float],
+                  received: float) -> dict[str, float]:
+    """Where a GPU cell's child spent its time (CLOCK_MONOTONIC is one clock for both processes).
+    ``forking``: when it was forked for this cell; None when it was forked ahead (a spare). ``wait``:
+    from handing it the cell until it took it (a spare still arming its tracker makes this longer)."""
+    phases = {"fork": marks["started"] - forking, "arm": marks["armed"] - marks["started"]} if forking else {}
+    phases.update({"wait": marks["go"] - handed, "setup": marks["ready"] - marks["go"],
+                   "cell": marks["ran"] - marks["ready"], "delta": marks["sent"] - marks["ran"],
+                   "pipe": received - marks["sent"]})
+    return phases
 
 
-# A GPU cell's child that failed in gpuhub's own code (not the user's: that is the cell's error)
-CHILD_FAILED = 70  # EX_SOFTWARE
+# A spare cell process unused this long is ended (not forked again until the next cell): while it
+# lives, every page the replica writes is copied once, so an idle kernel's would double over time.
+SPARE_MAX_IDLE_S = 600.0
 
 
 def _describe_status(status: int) -> str:
@@ -91,6 +99,8 @@ class GpuhubKernel(IPythonKernel):
         # A GPU cell's process exits and its grant ends after the reply (gpuhub/kernel/reaper.py).
         self.reaper = CellReaper(self.lease_client.release if self.lease_client else lambda grant: None)
         self._child_pid: int | None = None
+        self._spare: CellProcess | None = None  # the next GPU cell's process, forked ahead of need
+        self._spare_wanted = False  # this replica ran the last GPU cell: it likely runs the next
         self._interrupted = threading.Event()
         self._joined_names: list[str] = []  # names this replica caught up with at start
         self._unreplicable: dict[str, int] = {}  # name -> id of the value last warned about
@@ -507,6 +517,7 @@ class GpuhubKernel(IPythonKernel):
         if self.gpus > 0 and not rep.sync_namespace(shell.user_ns, shell.user_ns_hidden):
             log.error("replica %d could not load the image of its own cell", rep.id)  # next cell retries
         self._arm_after_idle = self.gpus == 0  # this replica likely runs the next cell too
+        self._spare_wanted = self.gpus > 0  # ... and its process can be forked after the idle
         return reply
 
     def _tracker_for_cell(self):
@@ -543,6 +554,7 @@ class GpuhubKernel(IPythonKernel):
         if spent is not None:
             spent.close()  # its sentinel ends: pages the cell wrote are no longer held twice
         self._probe_imports()
+        self._keep_spare()
         if not self._arm_after_idle or self.replica is None or self.replica.closing:
             return
         self._arm_after_idle = False
@@ -575,6 +587,7 @@ class GpuhubKernel(IPythonKernel):
             except Exception:
                 log.exception("importing a cell's modules in the replica failed")
             self._probe_imports()  # names offered meanwhile
+            self._keep_spare()  # one forked before these imports would lack them
 
         loop.add_reader(fd, reported)
 
@@ -594,6 +607,8 @@ class GpuhubKernel(IPythonKernel):
         if outcome.kind == "abort":
             return self._ended_without_result(outcome)
         rep = self.replica
+        self._spare_wanted = False  # another replica ran this cell: it runs the next one too
+        self._drop_spare()
         if not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
             log.error("replica %d could not load the namespace after cell", rep.id)
         number = outcome.execution_count - (1 if store_history and not silent else 0)
@@ -640,70 +655,58 @@ class GpuhubKernel(IPythonKernel):
     def _run_child(self, shell, code, silent, store_history, user_expressions, grant,
                    cell: str) -> tuple[dict, dict | None]:
         """Run one cell in a forked child holding ``grant``; returns its reply and what it sent of
-        the namespace image (not stored yet; None when it died). The grant ends once the child has
-        exited: at once if it died, otherwise on the reaper's thread, so that neither its exit nor
-        the release delays the reply."""
-        from gpuhub.kernel import child  # imported at start by GPU kernels (__init__)
-
+        the namespace image (not stored yet; None when it died). The child is the spare forked
+        after the last cell when nothing changed since, else forked now. The grant ends once the
+        child has exited: at once if it died, otherwise on the reaper's thread, so that neither its
+        exit nor the release delays the reply."""
         rep = self.replica
         # As IPython 9's run_cell: the prompt number moves on when the cell starts, so the child's
         # outputs (Out[n], _n) and the ones relayed here carry this cell's number.
         number = shell.execution_count
         counting = store_history and not silent
-        if counting:
-            shell.execution_count += 1
+        preparing = time.monotonic()
+        proc, forking = self._take_spare(), None
+        go = {"code": code, "silent": silent, "store_history": store_history,
+              "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
+              "execution_count": number, "stored": rep.store.digests()}
         try:
-            preparing = time.monotonic()
-            out_r, out_w = os.pipe()
-            pipe.widen(out_w)  # the image's buffers come this way
-            in_r, in_w = os.pipe()
-            known = child.KnownBuffers.of(rep.resident, rep.store.digests())
-            sys.stdout.flush()
-            sys.stderr.flush()
-            forking = time.monotonic()
-            self._phases["prepare"] = forking - preparing
-            pid = os.fork()
+            started = proc is not None and proc.start(go)
+            if not started:
+                if proc is not None:
+                    log.warning("the spare process for GPU cells had died (%s); forking one for cell %s",
+                                _describe_status(proc.status) if proc.status is not None else "gone", cell)
+                forking = time.monotonic()
+                proc = CellProcess.fork(shell, rep.resident, None)
+                started = proc.start(go)
+            handed = proc.started or time.monotonic()
         except BaseException:
             self.reaper.end_later(cell, None, grant)
             raise
-        if pid == 0:  # the child: never returns
-            try:
-                os.close(out_r)
-                os.close(in_w)
-                child.run(shell, code, silent=silent, store_history=store_history,
-                          user_expressions=user_expressions, gpu_uuids=grant.uuids, out_fd=out_w, in_fd=in_r,
-                          known=known, execution_count=number)
-            except BaseException:
-                import traceback
-
-                traceback.print_exc(file=sys.__stderr__)  # the replica's log (journal)
-                os._exit(CHILD_FAILED)
-            finally:
-                os._exit(0)
-        os.close(out_w)
-        os.close(in_r)
-        self._child_pid = pid
-        reader, replies = FrameReader(out_r), FrameWriter(in_w)
-        done = sent = status = None
+        if counting:
+            shell.execution_count += 1
+        self._phases["prepare"] = (forking or handed) - preparing
+        self._child_pid = proc.pid if started else None
+        done = sent = None
+        status = proc.status
         try:
-            while sent is None:  # the image is the child's last frame; nothing after it is awaited
-                for msg in reader.poll(0.5):
+            while started and sent is None:  # the image is the child's last frame; nothing after it is awaited
+                for msg in proc.reader.poll(0.5):
                     kind = msg[0]
                     if kind == "done":
                         done = msg[1]
                     elif kind == "image":
                         sent = msg[1]
                         self.import_warmer.offer(sent.imported)
-                        self._phases.update(_child_phases(forking, msg[2], time.monotonic()))
+                        self._phases.update(_child_phases(forking, handed, msg[2], time.monotonic()))
                     else:
-                        self._relay(msg, replies)
-                if reader.eof and not reader.pending:
+                        self._relay(msg, proc.writer)
+                if proc.reader.eof and not proc.reader.pending:
                     break
         finally:
             self._child_pid = None
-            os.close(out_r)  # a child still writing gets EPIPE and leaves
-            os.close(in_w)
-            if sent is None:  # it died (or this process is leaving): its status says why
+            proc.close_pipes()  # a child still writing gets EPIPE and leaves
+            pid = proc.pid if started else None
+            if started and sent is None:  # it died (or this process is leaving): its status says why
                 _, status = os.waitpid(pid, 0)
                 pid = None
             self.reaper.end_later(cell, pid, grant)
@@ -726,6 +729,58 @@ class GpuhubKernel(IPythonKernel):
             return reply, None
         done["execution_count"] = shell.execution_count - 1
         return done, sent
+
+    # --- the next GPU cell's process, forked ahead of need (gpuhub/kernel/cell_process.py) ----
+    def _spare_state(self) -> tuple:
+        """What a cell's process copies from this replica and must still be so when it runs the
+        cell: the image loaded (and the memory holding its buffers), the prompt number (and so the
+        history), the modules imported, the names shown."""
+        rep = self.replica
+        return (rep.loaded_version, id(rep.resident), self.shell.execution_count, len(sys.modules), self._unhidden)
+
+    def _take_spare(self) -> CellProcess | None:
+        """The spare process if it was forked from the state this replica is in now."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.state != self._spare_state():
+            log.debug("the spare process for GPU cells is stale: forking one for this cell")
+            spare.discard()
+            return None
+        return spare
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.discard()
+
+    def _keep_spare(self) -> None:
+        """Fork the next GPU cell's process now, between cells, when this replica ran the last
+        cell (with the executor lease it runs the next one too) and has no spare of its state."""
+        rep = self.replica
+        if not self._spare_wanted or rep is None or rep.closing:
+            return
+        state = self._spare_state()
+        if self._spare is not None:
+            if self._spare.state == state:
+                return
+            self._drop_spare()
+        if hugepages.busy() or self.import_warmer.probing:
+            # Collapsing pages a child shares would make its tracker see them written; the modules
+            # being imported would be missing in it. Both end soon (the probe calls again).
+            if hugepages.busy():
+                asyncio.get_running_loop().call_later(0.05, self._keep_spare)
+            return
+        try:
+            spare = self._spare = CellProcess.fork(self.shell, rep.resident, state)
+        except OSError as exc:  # e.g. out of memory for the page tables: the cell forks its own
+            log.warning("could not fork a spare process for GPU cells: %s", exc)
+            return
+        asyncio.get_running_loop().call_later(SPARE_MAX_IDLE_S, self._expire_spare, spare)
+
+    def _expire_spare(self, spare: CellProcess) -> None:
+        if self._spare is spare:
+            log.debug("no GPU cell for %.0f s: the spare process ends until the next one", SPARE_MAX_IDLE_S)
+            self._spare_wanted = False
+            self._drop_spare()
 
     def _relay(self, msg: tuple, replies: FrameWriter) -> None:
         kind = msg[0]
@@ -780,6 +835,8 @@ class GpuhubKernel(IPythonKernel):
 
     def do_shutdown(self, restart):
         self._signal_cell(signal.SIGKILL)
+        self._spare_wanted = False
+        self._drop_spare()
         if self.import_warmer is not None:
             self.import_warmer.close()
         if not self.reaper.wait(timeout=10):  # give the last cell's grant back before leaving

@@ -120,6 +120,11 @@ class ImportWarmer:
         known = set(self.pending)
         self.pending += [n for n in names if n not in sys.modules and n not in self.refused and n not in known]
 
+    @property
+    def probing(self) -> bool:
+        """A probe is out: its modules are about to be imported here."""
+        return self._probe is not None
+
     def start_probe(self) -> int | None:
         """Fork a probe for the pending names; returns the fd that becomes readable when it reports
         (None when there is nothing to probe or a probe is still out)."""

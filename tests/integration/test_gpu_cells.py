@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import secrets
+import signal
 import threading
 import time
 
@@ -286,6 +288,49 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
     assert waits[f'{prefix}_sum{{node="gpunode"}}'] >= 0.5, waits
     for kc in kcs:
         kc.stop_channels()
+
+
+def children(pid: int) -> set[int]:
+    """The live (not zombie) child processes of ``pid``."""
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found.update(int(c) for c in f.read().split())
+    return {c for c in found if process_alive(c)}
+
+
+def spare_of(replica: int, last_cell: int) -> int:
+    """The process the replica forked for its next GPU cell, once the last cell's has exited."""
+    return wait_for(lambda: len(kids := children(replica) - {last_cell}) == 1 and next(iter(kids)), 30,
+                    "the replica to fork the next cell's process")
+
+
+def test_the_next_gpu_cells_process_is_forked_before_the_cell_comes_and_runs_it(gpu_kernel):
+    """After a GPU cell the replica forks the next cell's process at once (it gets ready while the
+    user reads the output: gpuhub/kernel/cell_process.py); the next cell runs in that process, with
+    every change of the cell before it."""
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")  # the first cells' processes import what cells need: the replica follows
+    _, out = run(kc, "import os\nx += 1\nprint(os.getpid(), os.getppid())")
+    cell_pid, replica = (int(v) for v in out["stdout"].split())
+    spare = spare_of(replica, cell_pid)
+    reply, out = run(kc, "x += 1\nprint(os.getpid(), x)")
+    assert reply["status"] == "ok" and out["stdout"].split() == [str(spare), "3"], out
+    assert spare_of(replica, spare) not in (spare, cell_pid)  # a new one for the cell after
+
+
+def test_a_spare_cell_process_that_died_waiting_is_replaced_and_the_cell_runs(gpu_kernel):
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    _, out = run(kc, "import os\nx += 1\nprint(os.getpid(), os.getppid())")
+    cell_pid, replica = (int(v) for v in out["stdout"].split())
+    spare = spare_of(replica, cell_pid)
+    os.kill(spare, signal.SIGKILL)
+    wait_for(lambda: not process_alive(spare), 10, "the spare to die")
+    reply, out = run(kc, "x += 1\nprint(os.getpid(), x)")
+    assert reply["status"] == "ok", out
+    pid, x = out["stdout"].split()
+    assert int(pid) != spare and x == "3"
 
 
 def test_killed_cell_process_reports_error_and_keeps_namespace(gpu_kernel):
