@@ -17,9 +17,6 @@ import json
 import os
 import statistics
 import subprocess
-from pathlib import Path
-
-CONTAINERS_CONF = Path(__file__).resolve().parent.parent / "scripts" / "containers.conf"
 
 NODE = "gpu1"
 # Runs on the GPU server, in the agent's venv, as root (as the agent does).
@@ -73,6 +70,8 @@ def main() -> str:
     cluster = os.environ.get("GPUHUB_CLUSTER")
     if not cluster:
         raise SystemExit("set GPUHUB_CLUSTER to a deployed cluster's name (scripts/cluster.sh up NAME)")
+    from tests.cluster.conftest import CONTAINERS_CONF
+
     pairs = int(os.environ.get("GPUHUB_DEVICE_PAIRS", "100"))
     env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
     proc = subprocess.run(["podman", "exec", "-i", f"gpuhub-{cluster}-{NODE}", "/opt/gpuhub/venv/bin/python", "-",

@@ -56,10 +56,17 @@ def test_nothing_is_enforced_with_the_process_backend_or_the_open_policy():
     assert gate(runner).at_start("server") is None
 
 
-async def test_a_release_racing_a_grant_ends_with_the_releases_list():
+@pytest.fixture
+def kernel_k():
+    """A gate and its recording systemd, with kernel unit ``k`` started."""
     runner = RecordingSystemd()
     g = gate(runner)
     g.started("k", "kernel")
+    return runner, g
+
+
+async def test_a_release_racing_a_grant_ends_with_the_releases_list(kernel_k):
+    runner, g = kernel_k
     runner.hold.clear()
     g.follow({"k": frozenset({1})})  # grant: its change is under way, held
     await asyncio.sleep(0)
@@ -73,10 +80,8 @@ async def test_a_release_racing_a_grant_ends_with_the_releases_list():
     assert runner.lists["k"] == ("/dev/fake-gpu3 rw",)
 
 
-async def test_a_failed_change_is_an_error_for_the_grant_and_is_tried_again():
-    runner = RecordingSystemd()
-    g = gate(runner)
-    g.started("k", "kernel")
+async def test_a_failed_change_is_an_error_for_the_grant_and_is_tried_again(kernel_k):
+    runner, g = kernel_k
     runner.fail = True
     g.follow({"k": frozenset({0})})
     with pytest.raises(DeviceGateError, match="could not give k its GPUs"):
