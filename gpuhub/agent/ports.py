@@ -32,6 +32,9 @@ def free_ports(ip: str, n: int, first: int, last: int, taken: set[int]) -> list[
         if port in taken:
             continue
         with socket.socket() as s:
+            # as the replica's own binds do (ZeroMQ, pysyncobj, the blob server): a port whose
+            # last connections are in TIME_WAIT (a kernel stopped a minute ago) is free for them
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((ip, port))
             except OSError:

@@ -85,6 +85,26 @@ def test_a_port_something_listens_on_is_skipped():
         assert free_ports("127.0.0.1", 1, busy, busy + 1, set()) == [busy + 1]
 
 
+def test_a_port_a_stopped_kernel_left_in_time_wait_is_free():
+    """A kernel that stops closes its connections first, which leaves them in TIME_WAIT on its
+    ports for a minute. Its replacement binds them anyway (ZeroMQ, pysyncobj and the blob server
+    set SO_REUSEADDR), so the agent may hand them out again: a test of the port that refused them
+    ran out of ports in CI after an earlier test's kernels had used the same port block."""
+    with reserve_block() as block:
+        port = block.take(1)[0]
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                served, _ = listener.accept()
+                served.close()  # the kernel's side closes first: TIME_WAIT is on its port
+                assert client.recv(1) == b""
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))  # the connection is in TIME_WAIT: without SO_REUSEADDR no bind
+        assert free_ports("127.0.0.1", 1, port, port, set()) == [port]
+
+
 async def test_a_lease_lost_with_the_server_counts_its_gpu_hours_up_to_the_last_save(tmp_path):
     """A reboot ends every cell: the leases in the state file that did not survive count towards
     their users' weekly GPU-hours until the file was last written (docs/quotas.md)."""
