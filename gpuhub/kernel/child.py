@@ -38,14 +38,6 @@ from gpuhub.replication.digest import digest
 PR_SET_PDEATHSIG = 1
 
 
-@dataclass(frozen=True)
-class KnownBuffers:
-    """What the replica process holds of the namespace image when it forks a cell's child."""
-
-    resident: dict[str, memoryview]  # digest -> the parent's memory holding it, unwritten (same address here)
-    stored: frozenset[str]  # digests the parent's blob store has: their bytes need not be sent
-
-
 @dataclass
 class SentImage:
     """The namespace image as the child sends it: the bytes of a buffer only when the parent's
@@ -166,7 +158,6 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
         return  # discarded unused (the namespace changed, or the kernel is leaving)
     cell = go[1]
     marks = {"started": started, "armed": armed, "go": time.monotonic()}
-    known = KnownBuffers(dict(resident), frozenset(cell["stored"]))
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cell["gpu_uuids"])
 
     sys.stdout = PipeStream("stdout", chan)
@@ -217,19 +208,20 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
     marks["ran"] = time.monotonic()
-    sent = capture_image(shell, known, known_digest)
+    sent = capture_image(shell, frozenset(cell["stored"]), known_digest)
     sent.imported = imported_since(modules)
     marks["sent"] = time.monotonic()
     chan.send("image", sent, marks)
 
 
-def capture_image(shell, known: KnownBuffers, known_digest) -> SentImage:
-    """The namespace image, with the bytes of the buffers the parent does not hold."""
+def capture_image(shell, stored: frozenset[str], known_digest) -> SentImage:
+    """The namespace image, with the bytes of the buffers whose digests the parent's store lacks
+    (``stored``: those it has)."""
     cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
     buffers = []
     for d, mv in zip(cap.digests, cap.buffers, strict=True):
         d = d or digest(mv)
-        if d in known.stored:
+        if d in stored:
             buffers.append((d, mv.nbytes, None))
         else:  # out of band: the pipe reads it from this process's memory, no copy here
             buffers.append((d, mv.nbytes, pickle.PickleBuffer(mv) if mv.contiguous else bytes(mv)))

@@ -763,11 +763,11 @@ class GpuhubKernel(IPythonKernel):
             if self._spare.state == state:
                 return
             self._drop_spare()
-        if hugepages.busy() or self.import_warmer.probing:
-            # Collapsing pages a child shares would make its tracker see them written; the modules
-            # being imported would be missing in it. Both end soon (the probe calls again).
-            if hugepages.busy():
-                asyncio.get_running_loop().call_later(0.05, self._keep_spare)
+        if self.import_warmer.probing:
+            return  # the modules about to be imported here would be missing in it: the probe's end calls again
+        if hugepages.busy():
+            # Collapsing pages a child shares would make its tracker see them written: soon over.
+            asyncio.get_running_loop().call_later(0.05, self._keep_spare)
             return
         try:
             spare = self._spare = CellProcess.fork(self.shell, rep.resident, state)

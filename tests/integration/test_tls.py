@@ -8,13 +8,18 @@ The host's trust store is stood in for by ``SSL_CERT_FILE`` (OpenSSL reads it wh
 
 from __future__ import annotations
 
+import os
+import ssl
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from gpuhub.dev.cluster import DevCluster, DevKernel
+from gpuhub.dev.cluster import DevCluster, DevKernel, current_user
 from gpuhub.platform.http_client import ApiClientError, HttpClient
+from tests.integration.test_agent_api import unit_environ
 from tests.tls_certs import TestCA
 
 
@@ -129,17 +134,11 @@ def test_a_daemon_with_a_broken_tls_setting_exits_2_naming_it(tmp_path, cas, set
     assert message in done.stderr
 
 
-def test_a_users_server_gets_its_hosts_servers_certificate_and_serves_with_it(tmp_path, cas, make_agent):
+def test_a_users_server_gets_its_hosts_servers_certificate_to_serve_with(tmp_path, cas, make_agent):
     """docs/security.md: the agent gives a user's server a copy of its host's servers' certificate and
     key that its user alone can read, points jupyterhub-singleuser at them, and says so (the spawner
-    then routes the proxy over https); a CA for client certificates in the request is dropped."""
-    import os
-    import ssl
-    import stat
-    from pathlib import Path
-
-    from gpuhub.dev.cluster import current_user
-
+    then routes the proxy over https); a CA for client certificates in the request is dropped. That
+    the server then serves https is tested on the cluster (tests/cluster/test_e2e.py)."""
     _, servers, _, _ = cas
     a = make_agent(gpus=0, extra={"server_tls_cert_file": str(servers.cert), "server_tls_key_file": str(servers.key)})
     probe = "import time; time.sleep(600)"
@@ -147,8 +146,7 @@ def test_a_users_server_gets_its_hosts_servers_certificate_and_serves_with_it(tm
         "name": "gpuhub-server-tls1", "kind": "server", "user": current_user(), "argv": [sys.executable, "-c", probe],
         "env": {"JUPYTERHUB_SSL_CLIENT_CA": "/tmp/elsewhere.pem", "JUPYTERHUB_SSL_KEYFILE": "/tmp/other.key"}})
     assert status == 201 and unit["tls"] is True, unit
-    with open(f"/proc/{unit['main_pid']}/environ", "rb") as f:
-        env = dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+    env = unit_environ(unit["main_pid"])
     assert "JUPYTERHUB_SSL_CLIENT_CA" not in env
     for var, original in (("JUPYTERHUB_SSL_CERTFILE", servers.cert), ("JUPYTERHUB_SSL_KEYFILE", servers.key)):
         copy = env[var]
