@@ -23,9 +23,7 @@ What it does, and why:
 * nothing is forwarded before the replicas can take it: until every replica (or, after
   ``startup_straggler_s``, a majority) is connected and has welcomed the router's iopub
   subscription, requests are held, so a client's first ``kernel_info_request`` is
-  answered rather than lost; afterwards a shell request goes only to the replicas whose iopub
-  has welcomed the router (one reconnected or replaced gets it once it has), so that the reply
-  forwarded is never one whose outputs and idle were published before the router listened;
+  answered rather than lost;
 * the held queue is bounded (``max_held_requests``, ``max_held_bytes``); only verified messages
   are ever held, and what does not fit is dropped with a warning;
 * messages are forwarded as raw frames, never re-signed: the replicas already sign with the
@@ -683,12 +681,6 @@ class KernelRouter:
         for rep in list(self._replicas.values()):
             if not self._is_live(rep, now):
                 continue
-            if channel == "shell_port" and not rep.ready:
-                # Its iopub has not welcomed our subscription yet (a replica reconnected or
-                # replaced): what it publishes may still be dropped, and were its reply the one
-                # forwarded, the client would wait for good for that request's idle. It gets the
-                # running cell once ready (_hand_running), and later requests as the others do.
-                continue
             if execute and rep.last_execute != self._last_execute:
                 # it did not get the last cell: it must catch up before it acts on the lease
                 await self._send_note(rep, "shell_port", {"cell": msg_id, "missed": True})
@@ -861,8 +853,6 @@ class KernelRouter:
                 self._heard_from(rep)
                 await self._check_open()
                 await self._hand_running(rep)
-                if self._open and self._running is None and self._held:
-                    await self._release()  # requests held while no replica was ready
             return
         if mtype == GROUP_CHANGE:  # for the router only (gpuhub/platform/messages.py)
             target = msg.content().get("target")

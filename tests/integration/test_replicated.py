@@ -105,10 +105,9 @@ def plain_outputs(cells: list[str], timeout: float = 30) -> list[str]:
 
 
 def live_replicas(kernel) -> list[int]:
-    """The replicas the kernel's router sends shell requests to now: live and ready (their iopub
-    welcomed the router), asked on the router's loop."""
+    """The replicas the kernel's router sends requests to now (asked on the router's loop)."""
     async def ask():
-        return kernel.router.ready_replicas()
+        return kernel.router.live_replicas()
     return kernel.loop.run(ask())
 
 
