@@ -142,7 +142,8 @@ def pytest_runtest_makereport(item, call):
     report = yield
     cluster = item.funcargs.get("cluster")
     if report.when == "call" and report.failed and isinstance(cluster, Cluster):
-        dest = cluster.inventory_dir.parent / "failed" / re.sub(r"[^A-Za-z0-9_.-]", "_", item.name)
+        # not under .cache/<cluster>/, which `scripts/cluster.sh down` (molecule's destroy in CI) removes
+        dest = ROOT / ".cache" / "failed-tests" / cluster.name / re.sub(r"[^A-Za-z0-9_.-]", "_", item.name)
         dest.mkdir(parents=True, exist_ok=True)
         for host in cluster.containers:
             journal = cluster.exec(host, "journalctl", "--no-pager", "-o", "short-precise",
