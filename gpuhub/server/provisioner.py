@@ -18,6 +18,7 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
+from tornado.web import HTTPError
 from traitlets import Float, Integer, Unicode
 
 from gpuhub.platform.http_client import ApiClientError, call_json
@@ -26,6 +27,18 @@ from gpuhub.server.regroup import GroupFollower, routable
 from gpuhub.server.router import KernelRouter
 
 CLIENT_CONFIG = "/etc/gpuhub/client.toml"
+
+
+class KernelLaunchFailed(HTTPError, RuntimeError):
+    """A kernel could not be started, and why. Jupyter Server answers any other exception from a
+    kernel start with a bare "Unhandled error"; an HTTPError's message reaches the user's
+    kernel-start dialog. A RuntimeError too, for jupyter_client callers outside a server."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(status, message)  # no format args: tornado leaves the message as it is
+
+    def __str__(self) -> str:
+        return self.log_message or ""
 
 
 class GpuhubProvisioner(KernelProvisionerBase):
@@ -49,7 +62,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             with open(CLIENT_CONFIG, "rb") as f:
                 url = tomllib.load(f).get("scheduler_url", "")
         if not url:
-            raise RuntimeError(f"gpuhub: no scheduler configured (set scheduler_url in {CLIENT_CONFIG})")
+            raise KernelLaunchFailed(f"gpuhub: no scheduler configured (set scheduler_url in {CLIENT_CONFIG})")
         return url.rstrip("/")
 
     @property
@@ -60,7 +73,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
     def _token(self) -> str:
         token = os.environ.get("GPUHUB_SCHEDULER_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
         if not token:
-            raise RuntimeError("gpuhub: no token to talk to the scheduler (JUPYTERHUB_API_TOKEN unset)")
+            raise KernelLaunchFailed("gpuhub: no token to talk to the scheduler (JUPYTERHUB_API_TOKEN unset)")
         return token
 
     @property
@@ -70,10 +83,9 @@ class GpuhubProvisioner(KernelProvisionerBase):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         limit = os.environ.get("GPUHUB_MAX_GPUS")
         if limit is not None and self.gpus > int(limit):
-            raise RuntimeError(
+            raise KernelLaunchFailed(
                 f"this kernel needs {self.gpus} GPU(s) per cell but your server's profile allows {limit}; "
-                "restart your server with a larger profile"
-            )
+                "restart your server with a larger profile", status=400)
         kwargs = await super().pre_launch(**kwargs)
         kwargs.setdefault("cmd", self.kernel_spec.argv)
         return kwargs
@@ -88,7 +100,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
                 "replicas": self.replicas, "cwd": str(cwd),
             }, timeout=60)
         except ApiClientError as exc:
-            raise RuntimeError(f"gpuhub could not start the kernel: {exc.message}") from None
+            raise KernelLaunchFailed(f"gpuhub could not start the kernel: {exc.message}") from None
         self._record, self._deleted = record, False
         self._last_poll = (0.0, None)  # a restart must not reuse the dead kernel's answer
         replicas = [{"id": r.get("id", i), **r["connection"]} for i, r in enumerate(record["replicas"])]
@@ -110,7 +122,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             await self.kill()
             await self.cleanup(restart=False)
             self.log.error("gpuhub kernel %s did not start: %s", self.kernel_id, exc)
-            raise RuntimeError(f"gpuhub could not start the kernel: {exc}") from None
+            raise KernelLaunchFailed(f"gpuhub could not start the kernel: {exc}") from None
         return conn
 
     async def _wait_answering(self, conn: dict) -> None:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import requests
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from gpuhub.admin.kernelspecs import install
-from gpuhub.dev.cluster import DevCluster
+from gpuhub.dev.cluster import DevCluster, free_port
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
+from gpuhub.server.provisioner import KernelLaunchFailed
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +115,7 @@ async def test_a_replica_start_error_fails_the_launch_with_that_error(tmp_path, 
         monkeypatch.setenv("GPUHUB_SCHEDULER_URL", dev.scheduler.url)
         monkeypatch.setenv("GPUHUB_SCHEDULER_TOKEN", dev.user_token)
         km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=KernelSpecManager())
-        with pytest.raises(RuntimeError) as failed:
+        with pytest.raises(KernelLaunchFailed) as failed:
             await km.start_kernel(cwd=str(tmp_path))
         message = str(failed.value)
         assert "gpuhub could not start the kernel" in message
@@ -122,3 +127,34 @@ async def test_a_replica_start_error_fails_the_launch_with_that_error(tmp_path, 
             assert a.call("GET", "/api/v1/units")[1]["units"] == []
     finally:
         dev.stop()
+
+
+def test_a_jupyter_server_user_is_told_why_a_kernel_did_not_start(tmp_path):
+    """Through a real Jupyter Server, as JupyterLab starts a kernel: the answer carries gpuhub's
+    reason. (Jupyter Server turns an exception that is not an HTTPError into a bare "Unhandled
+    error", which is all a user saw of a failed start before.)"""
+    install(str(tmp_path / "prefix"), [("gpu1", 1)], replicas=3)
+    token, port = os.urandom(16).hex(), free_port()
+    env = {**os.environ, "JUPYTER_PATH": str(tmp_path / "prefix" / "share" / "jupyter"),
+           "JUPYTER_TOKEN": token, "GPUHUB_MAX_GPUS": "0", "GPUHUB_SCHEDULER_URL": "http://127.0.0.1:9",
+           "GPUHUB_SCHEDULER_TOKEN": "unused", "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", "--ServerApp.open_browser=False", f"--ServerApp.root_dir={tmp_path}",
+         "--ServerApp.allow_root=True"],  # CI runs the tests as root
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"token {token}"}
+
+        def answering():
+            assert server.poll() is None, server.stderr.read().decode(errors="replace")[-2000:]
+            return requests.get(f"{url}/api/status", headers=auth, timeout=5).ok
+
+        wait_for(answering, timeout=60, what="the Jupyter server", interval=0.2, ignore=(requests.ConnectionError,))
+        r = requests.post(f"{url}/api/kernels", json={"name": "gpuhub-gpu1"}, headers=auth, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "your server's profile allows 0" in r.json()["message"], r.text
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
