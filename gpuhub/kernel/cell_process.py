@@ -41,6 +41,7 @@ class CellProcess:
     forked: float = field(default_factory=time.monotonic)
     started: float | None = None  # when it was handed its cell
     status: int | None = None  # its wait status, once reaped here
+    pipes_closed: bool = False
 
     @classmethod
     def fork(cls, shell, resident: dict[str, memoryview], state: Hashable) -> CellProcess:
@@ -49,17 +50,20 @@ class CellProcess:
         child's write tracker watches."""
         from gpuhub.kernel import child  # imported at start by GPU kernels
 
-        out_r, out_w = os.pipe()
-        pipe.widen(out_w)  # the image's buffers come this way
-        in_r, in_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        fds: list[int] = []
         try:
+            fds += os.pipe()
+            pipe.widen(fds[1])  # the image's buffers come this way
+            fds += os.pipe()
+            pipe.widen(fds[3])  # "go" names every stored value: not a write that waits on the child
+            sys.stdout.flush()
+            sys.stderr.flush()
             pid = os.fork()
         except BaseException:
-            for fd in (out_r, out_w, in_r, in_w):
+            for fd in fds:
                 os.close(fd)
             raise
+        out_r, out_w, in_r, in_w = fds
         if pid == 0:  # the child: never returns
             try:
                 os.close(out_r)
@@ -96,7 +100,11 @@ class CellProcess:
         return True
 
     def close_pipes(self) -> None:
-        """Close this end of both pipes: a child still writing gets EPIPE and leaves."""
+        """Close this end of both pipes: a child still writing gets EPIPE and leaves. Once only:
+        a descriptor number closed twice may by then be another thread's socket."""
+        if self.pipes_closed:
+            return
+        self.pipes_closed = True
         for fd in (self.reader.fd, self.writer.fd):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -159,6 +159,9 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     cell = go[1]
     marks = {"started": started, "armed": armed, "go": time.monotonic()}
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cell["gpu_uuids"])
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None and cell.get("request"):  # forked before the request came: it is the cell's
+        kernel.set_parent(cell.get("request_ident"), cell["request"], "shell")  # the shell's too
 
     sys.stdout = PipeStream("stdout", chan)
     sys.stderr = PipeStream("stderr", chan)

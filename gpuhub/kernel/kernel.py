@@ -101,6 +101,7 @@ class GpuhubKernel(IPythonKernel):
         self._child_pid: int | None = None
         self._spare: CellProcess | None = None  # the next GPU cell's process, forked ahead of need
         self._spare_wanted = False  # this replica ran the last GPU cell: it likely runs the next
+        self._spare_lock = threading.Lock()
         self._interrupted = threading.Event()
         self._joined_names: list[str] = []  # names this replica caught up with at start
         self._unreplicable: dict[str, int] = {}  # name -> id of the value last warned about
@@ -513,6 +514,7 @@ class GpuhubKernel(IPythonKernel):
             # An abort committed first (this replica was cut off): take the group's state instead.
             rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
             self._role = "follower"
+            self._spare_wanted = False  # another replica runs the next cell: no spare held here
             return reply
         if self.gpus > 0 and not rep.sync_namespace(shell.user_ns, shell.user_ns_hidden):
             log.error("replica %d could not load the image of its own cell", rep.id)  # next cell retries
@@ -666,9 +668,13 @@ class GpuhubKernel(IPythonKernel):
         counting = store_history and not silent
         preparing = time.monotonic()
         proc, forking = self._take_spare(), None
+        # The request the cell answers: user code asking get_ipython().parent_header or the
+        # kernel's get_parent() must see this cell's (the process may have been forked before it).
+        request = {k: v for k, v in self.get_parent("shell").items() if k != "buffers"}
         go = {"code": code, "silent": silent, "store_history": store_history,
               "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
-              "execution_count": number, "stored": rep.store.digests()}
+              "execution_count": number, "stored": rep.store.digests(),
+              "request": request, "request_ident": self._parent_ident["shell"]}
         try:
             started = proc is not None and proc.start(go)
             if not started:
@@ -740,7 +746,8 @@ class GpuhubKernel(IPythonKernel):
 
     def _take_spare(self) -> CellProcess | None:
         """The spare process if it was forked from the state this replica is in now."""
-        spare, self._spare = self._spare, None
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         if spare is not None and spare.state != self._spare_state():
             log.debug("the spare process for GPU cells is stale: forking one for this cell")
             spare.discard()
@@ -748,7 +755,9 @@ class GpuhubKernel(IPythonKernel):
         return spare
 
     def _drop_spare(self) -> None:
-        spare, self._spare = self._spare, None
+        # Shutdown calls this on the control thread: the lock keeps one spare from being taken twice.
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         if spare is not None:
             spare.discard()
 
@@ -770,9 +779,16 @@ class GpuhubKernel(IPythonKernel):
             asyncio.get_running_loop().call_later(0.05, self._keep_spare)
             return
         try:
-            spare = self._spare = CellProcess.fork(self.shell, rep.resident, state)
+            spare = CellProcess.fork(self.shell, rep.resident, state)
         except OSError as exc:  # e.g. out of memory for the page tables: the cell forks its own
             log.warning("could not fork a spare process for GPU cells: %s", exc)
+            return
+        with self._spare_lock:
+            leaving = not self._spare_wanted  # shutdown began while it forked
+            if not leaving:
+                self._spare = spare
+        if leaving:
+            spare.discard()
             return
         asyncio.get_running_loop().call_later(SPARE_MAX_IDLE_S, self._expire_spare, spare)
 

@@ -319,6 +319,25 @@ def test_the_next_gpu_cells_process_is_forked_before_the_cell_comes_and_runs_it(
     assert spare_of(replica, spare) not in (spare, cell_pid)  # a new one for the cell after
 
 
+def test_a_cell_in_a_process_forked_before_its_request_sees_that_request(gpu_kernel):
+    """User code that asks which request it answers (IPython's parent_header, the kernel's
+    get_parent(), as widget and progress-bar libraries do) gets this cell's, as in ipykernel, though
+    its process was forked before the request came."""
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    _, out = run(kc, "import os\nprint(os.getpid(), os.getppid())")
+    cell_pid, replica = (int(v) for v in out["stdout"].split())
+    spare = spare_of(replica, cell_pid)
+    printed = []
+    reply = kc.execute_interactive(
+        "print(os.getpid(), get_ipython().parent_header['header']['msg_id'], "
+        "get_ipython().kernel.get_parent()['header']['msg_id'])", timeout=30,
+        output_hook=lambda m: printed.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    request = reply["parent_header"]["msg_id"]
+    assert "".join(printed).split() == [str(spare), request, request]
+
+
 def test_a_spare_cell_process_that_died_waiting_is_replaced_and_the_cell_runs(gpu_kernel):
     _, kc, _ = gpu_kernel
     run(kc, "x = 1")
