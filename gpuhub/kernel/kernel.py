@@ -685,6 +685,12 @@ class GpuhubKernel(IPythonKernel):
                 proc = CellProcess.fork(shell, rep.resident, None)
                 started = proc.start(go)
             handed = proc.started or time.monotonic()
+        except OSError as exc:  # no process for the cell (fork: out of memory, process limit)
+            self.reaper.end_later(cell, None, grant)
+            log.error("cell %s: could not start its process: %s", cell, exc)
+            reply = self._error_reply("CellProcessNotStarted", f"the cell's process could not be started ({exc}); "
+                                      "nothing ran and variables are as they were", count=counting)
+            return reply, None
         except BaseException:
             self.reaper.end_later(cell, None, grant)
             raise
