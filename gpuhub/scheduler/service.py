@@ -34,6 +34,8 @@ REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
 DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
 # A migration asks at most this many candidate servers whether they can still grant.
 MIGRATION_CANDIDATES = 3
+# How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
+UNHEARD_POLL_S = 0.2
 
 
 class UserLimitExceeded(PermissionError):
@@ -402,9 +404,7 @@ class Scheduler:
                              cwd: str) -> KernelRecord:
         started = time.monotonic()
         try:
-            # With the elastic pool, consolidate: the servers that stay busy take the replicas.
-            chosen = place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio,
-                                    pack=self.pool is not None)
+            chosen = await self._place(kernel_id, gpus, replicas)
         except PlacementError:
             self.counters["placement_failures"] += 1
             if self.pool is not None:  # a kernel no active server set can take: the pool needs a server
@@ -416,6 +416,27 @@ class Scheduler:
             return await self._start_kernel(record, chosen, key, cwd, started)
         finally:
             self._placing.pop(kernel_id, None)
+
+    async def _place(self, kernel_id: str, gpus: int, replicas: int) -> list[NodeView]:
+        """The servers for a new kernel's replicas (gpuhub/scheduler/placement.py). Right after a
+        restart, servers in the books that have not sent a heartbeat since are not live yet (a
+        restore brings back books minutes old): a kernel that does not fit without them waits for
+        them, for at most the start-up grace that healing also gives them, instead of failing."""
+        said = False
+        while True:
+            try:
+                # With the elastic pool, consolidate: the servers that stay busy take the replicas.
+                return place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio,
+                                      pack=self.pool is not None)
+            except PlacementError:
+                unheard = sorted(r.name for r in self.nodes.values() if r.seen < self.started)
+                if not unheard or time.monotonic() - self.started >= self.config.node_timeout_s:
+                    raise
+                if not said:
+                    log.info("kernel %s waits for the first heartbeat of %s since the scheduler started",
+                             kernel_id, ", ".join(unheard))
+                    said = True
+                await asyncio.sleep(UNHEARD_POLL_S)
 
     async def _start_kernel(self, record: KernelRecord, chosen: list[NodeView], key: str, cwd: str,
                             started: float) -> KernelRecord:

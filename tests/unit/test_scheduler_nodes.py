@@ -13,6 +13,7 @@ import pytest
 from gpuhub.platform.http_server import LogLimiter
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.node_info import parse_node_info
+from gpuhub.scheduler.placement import PlacementError
 from gpuhub.scheduler.service import KernelRecord, ReplicaRecord, Scheduler
 from tests.unit.test_scheduler_heal import stub_agents
 
@@ -132,3 +133,42 @@ def test_no_user_limit_by_default(tmp_path):
     for i in range(50):
         s.kernels[f"k{i}"] = KernelRecord(kernel_id=f"k{i}", user="alice", gpus=8)
     s.check_user_limits("alice", 64)
+
+
+def restored_books(tmp_path, names: list[str], age_s: float) -> None:
+    """Books as a restore brings them back: every server last heard from ``age_s`` ago."""
+    nodes = {n: {"url": f"http://{n}.invalid:8601", "info": {"gpu_count": 2}, "last_seen": time.time() - age_s}
+             for n in names}
+    (tmp_path / "books.json").write_text(json.dumps({"nodes": nodes, "kernels": {}}))
+
+
+async def test_a_kernel_asked_for_right_after_a_restore_waits_for_the_servers_first_heartbeats(tmp_path, monkeypatch):
+    """After a restore (books minutes old) no server is live until its first heartbeat, up to one
+    heartbeat period after the scheduler starts: a kernel asked for meanwhile is placed once they
+    report, instead of failing."""
+    restored_books(tmp_path, ["a", "b", "c"], age_s=240)
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=30), agent_token="t")
+    s.load()
+    started, _ = stub_agents(s, monkeypatch)
+    creating = asyncio.create_task(s.create_kernel("alice", "k1", "key", 1, 3, ""))
+    await asyncio.sleep(0)  # it is waiting now, not failed
+    assert not creating.done()
+    for name in ("a", "b", "c"):
+        s.heartbeat(beat(name))
+    record = await asyncio.wait_for(creating, timeout=10)
+    assert sorted(r.node for r in record.replicas) == sorted(started) == ["a", "b", "c"]
+
+
+async def test_a_kernel_that_does_not_fit_fails_once_the_start_up_grace_is_over(tmp_path, monkeypatch):
+    restored_books(tmp_path, ["a", "b", "c"], age_s=240)
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=0.5), agent_token="t")
+    s.load()
+    stub_agents(s, monkeypatch)
+    s.heartbeat(beat("a"))  # b and c never report: their servers are gone
+    with pytest.raises(PlacementError):
+        await asyncio.wait_for(s.create_kernel("alice", "k1", "key", 1, 3, ""), timeout=10)
+    s.started -= 60  # long after the start: no wait at all
+    began = time.monotonic()
+    with pytest.raises(PlacementError):
+        await s.create_kernel("alice", "k2", "key", 1, 3, "")
+    assert time.monotonic() - began < 0.5
