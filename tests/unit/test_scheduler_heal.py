@@ -62,7 +62,7 @@ async def test_without_a_majority_nothing_is_replaced(tmp_path, caplog):
 
 async def test_no_replacement_during_the_start_up_grace(tmp_path):
     s = scheduler_with(tmp_path, live=["a", "b", "d"], lost=["c"])
-    s.started = time.time()  # just restarted: c may only not have heartbeated yet
+    s.started = time.monotonic()  # just restarted: c may only not have heartbeated yet
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
     await s.heal()
     assert [r.node for r in record.replicas] == ["a", "b", "c"]
