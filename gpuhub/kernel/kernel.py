@@ -690,8 +690,13 @@ class GpuhubKernel(IPythonKernel):
             log.error("cell %s: could not start its process: %s", cell, exc)
             reply = self._error_reply("CellProcessNotStarted", f"the cell's process could not be started ({exc}); "
                                       "nothing ran and variables are as they were", count=counting)
+            self._remember_cell(code, number)
+            if counting:  # In[n] as the followers record it
+                shell.history_manager.store_inputs(number, code)
             return reply, None
         except BaseException:
+            if proc is not None and proc.started is None:
+                proc.discard()  # forked, never handed its cell
             self.reaper.end_later(cell, None, grant)
             raise
         if counting:
@@ -774,8 +779,9 @@ class GpuhubKernel(IPythonKernel):
         if not self._spare_wanted or rep is None or rep.closing:
             return
         state = self._spare_state()
-        if self._spare is not None:
-            if self._spare.state == state:
+        spare = self._spare  # once: shutdown may drop it from the control thread meanwhile
+        if spare is not None:
+            if spare.state == state:
                 return
             self._drop_spare()
         if self.import_warmer.probing:

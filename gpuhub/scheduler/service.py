@@ -36,6 +36,8 @@ DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
 MIGRATION_CANDIDATES = 3
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
 UNHEARD_POLL_S = 0.2
+# ... and for at most this long after the start (the provisioner gives a kernel creation 60 s).
+UNHEARD_WAIT_MAX_S = 30.0
 
 
 class UserLimitExceeded(PermissionError):
@@ -302,8 +304,14 @@ class Scheduler:
             gpu_count=int(r.info.get("gpu_count", 0)),
             pending=int(r.info.get("pending", 0)),
             committed=int(r.info.get("committed", 0)),
-            schedulable=self.live(r) and "gpu" in r.info.get("roles", ["gpu"]) and not r.drained and not r.pool,
+            schedulable=self.live(r) and self._may_place(r),
         )
+
+    @staticmethod
+    def _may_place(r: NodeRecord) -> bool:
+        """Whether replicas may go to this server when it is live: a GPU server, not drained, not
+        the elastic pool's (lent, being acquired or drained to be lent)."""
+        return "gpu" in r.info.get("roles", ["gpu"]) and not r.drained and not r.pool
 
     async def ask_node(self, name: str) -> dict | None:
         """A server's state as its agent says it now (``GET /api/v1/node``), its GPU counts kept in
@@ -422,15 +430,15 @@ class Scheduler:
         restart, servers in the books that have not sent a heartbeat since are not live yet (a
         restore brings back books minutes old): a kernel that does not fit without them waits for
         them, for at most the start-up grace that healing also gives them, instead of failing."""
-        said = False
+        said, grace = False, min(self.config.node_timeout_s, UNHEARD_WAIT_MAX_S)
         while True:
             try:
                 # With the elastic pool, consolidate: the servers that stay busy take the replicas.
                 return place_replicas(self.node_views(), gpus, replicas, self.config.max_subscription_ratio,
                                       pack=self.pool is not None)
             except PlacementError:
-                unheard = sorted(r.name for r in self.nodes.values() if r.seen < self.started)
-                if not unheard or time.monotonic() - self.started >= self.config.node_timeout_s:
+                unheard = sorted(r.name for r in self.nodes.values() if r.seen < self.started and self._may_place(r))
+                if not unheard or time.monotonic() - self.started >= grace:
                     raise
                 if not said:
                     log.info("kernel %s waits for the first heartbeat of %s since the scheduler started",

@@ -35,10 +35,24 @@ class KernelLaunchFailed(HTTPError, RuntimeError):
     kernel-start dialog. A RuntimeError too, for jupyter_client callers outside a server."""
 
     def __init__(self, message: str, status: int = 503) -> None:
-        super().__init__(status, message)  # no format args: tornado leaves the message as it is
+        super().__init__(status, message)
+
+    # As given: tornado escapes "%" in a message without format args (a replica's log has them).
+    @property
+    def log_message(self) -> str:
+        return self._log_message or ""
+
+    def get_message(self) -> str:
+        return self.log_message
 
     def __str__(self) -> str:
-        return self.log_message or ""
+        return self.log_message
+
+    def __repr__(self) -> str:
+        return f"KernelLaunchFailed({self.log_message!r}, status={self.status_code})"
+
+    def __reduce__(self):
+        return type(self), (self.log_message, self.status_code)
 
 
 class GpuhubProvisioner(KernelProvisionerBase):

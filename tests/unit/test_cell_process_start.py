@@ -17,6 +17,8 @@ class Shell:
 
     def __init__(self) -> None:
         self.shown: list[tuple] = []
+        self.history: list[tuple] = []
+        self.history_manager = types.SimpleNamespace(store_inputs=lambda n, code: self.history.append((n, code)))
 
     def _showtraceback(self, etype, evalue, stb) -> None:
         self.shown.append((etype.__name__, evalue))
@@ -39,7 +41,8 @@ def test_a_cell_whose_process_cannot_be_forked_gets_an_error_reply_and_gives_its
     kernel = types.SimpleNamespace(
         replica=types.SimpleNamespace(store=types.SimpleNamespace(digests=lambda: []), resident={}),
         shell=shell, reaper=reaper, _phases={}, _parent_ident={"shell": [b"client"]},
-        _take_spare=lambda: None, get_parent=lambda channel: {"header": {"msg_id": "m1"}, "buffers": []})
+        _take_spare=lambda: None, get_parent=lambda channel: {"header": {"msg_id": "m1"}, "buffers": []},
+        _remember_cell=lambda code, number: None)
     kernel._error_reply = types.MethodType(GpuhubKernel._error_reply, kernel)
 
     reply, sent = GpuhubKernel._run_child(kernel, shell, "x = 1", False, True, {}, grant, "c1")
@@ -50,3 +53,4 @@ def test_a_cell_whose_process_cannot_be_forked_gets_an_error_reply_and_gives_its
     assert reply["execution_count"] == 4 and shell.execution_count == 5  # counted, as IPython counts a failed cell
     assert shell.shown == [("CellProcessNotStarted", reply["evalue"])]  # the notebook shows it
     assert reaper.ended == [("c1", None, grant)]  # the grant goes back, no process to wait for
+    assert shell.history == [(4, "x = 1")]  # In[4], as the other replicas record it

@@ -172,3 +172,17 @@ async def test_a_kernel_that_does_not_fit_fails_once_the_start_up_grace_is_over(
     with pytest.raises(PlacementError):
         await s.create_kernel("alice", "k2", "key", 1, 3, "")
     assert time.monotonic() - began < 0.5
+
+
+async def test_no_wait_after_a_restart_for_servers_no_replica_may_go_to(tmp_path, monkeypatch):
+    """A lent server sends no heartbeat: a kernel that does not fit without it fails at once (and
+    so the elastic pool hears of it at once), start-up grace or not."""
+    restored_books(tmp_path, ["a", "b", "c"], age_s=240)
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=30), agent_token="t")
+    s.load()
+    stub_agents(s, monkeypatch)
+    s.nodes["c"].pool = "lent"
+    s.heartbeat(beat("a"))
+    s.heartbeat(beat("b"))
+    with pytest.raises(PlacementError):  # not a TimeoutError: it did not wait the 30 s grace
+        await asyncio.wait_for(s.create_kernel("alice", "k1", "key", 1, 3, ""), timeout=10)
