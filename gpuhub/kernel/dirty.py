@@ -15,6 +15,9 @@ without privileges):
   the process; the kernel sets it again on the first write to a page. Needs a kernel built with
   ``CONFIG_MEM_SOFT_DIRTY``; :data:`SOFT_DIRTY` says whether it works here, probed once at import
   (``clear_refs`` writable *and* the bit seen to clear and to flip back on a write).
+- **userfaultfd write-protection** (bit 57, Linux 6.7+, gpuhub/kernel/uffd.py): the tracker
+  write-protects the ranges' pages through a userfaultfd in asynchronous mode; the first write to
+  a page clears its bit, with no fork, no copy and no event to read.
 - **copy-on-write** (bit 56, "exclusively mapped"): in a process forked just now (a GPU cell's
   child, or the kernel's sentinel, rule 1), every private page is shared between the two
   processes; the first write to a page copies it, and only then is the page mapped by the writer
@@ -30,9 +33,11 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
 
 1. *Signals by mode.* ``"forked-child"`` (the GPU cell's child, forked from its replica just
    before the cell): copy-on-write, plus soft-dirty where it works (OR-ed in).
-   ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else a **sentinel**, a
-   dormant child forked at arm (:class:`_Sentinel`): while it lives, every private anonymous page
-   of the kernel is shared with it, so a page the kernel writes afterwards is copied and exclusive.
+   ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else userfaultfd
+   write-protection where it works (:func:`gpuhub.kernel.uffd.write_protect`; a range it cannot
+   register is not tracked); else a **sentinel**, a dormant child forked at arm
+   (:class:`_Sentinel`): while it lives, every private anonymous page of the kernel is shared
+   with it, so a page the kernel writes afterwards is copied and exclusive.
    The child runs no code of ours but system calls (it closes every other descriptor and blocks
    reading a pipe, all signals blocked, then ``os._exit``): the kernel is multi-threaded and a
    lock another thread held at the fork stays held in the child. ``os.fork`` itself still runs
@@ -42,16 +47,23 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
    :meth:`BufferTracker.close` (killed through a pidfd and reaped), or when the kernel dies (end of
    file on the pipe). Without a signal (in-process with ``sentinel=False``, or a forked-child
    mode in a process that was not just forked, and no soft-dirty) anonymous memory is not tracked.
+   Soft-dirty and write-protection bits are not touched by forks (a write to a page shared with a
+   child clears the write-protect bit, or sets soft-dirty, before it copies the page): rule 4 is
+   for copy-on-write only.
 2. *Private memory only.* The range lies in private anonymous mappings (readable), or in one
    private mapping of a blob store file (rule 7), and is in the same kind of mapping when asked
    (``/proc/self/maps``). A shared mapping can be written by another process, or through another
    mapping, without touching our bits: never tracked.
 3. *No interior page written.* Pages wholly inside the range must have no set bit among the armed
-   signals (soft-dirty on a present page; the exclusive bit in copy-on-write mode) and be present,
-   or not present when armed (they read as zeros then) and either still absent or present and
-   still all zeros. A swapped-out page is not trusted, at arm (the range is not tracked) or after
+   signals (soft-dirty on a present page; the exclusive bit in copy-on-write mode; the
+   write-protect bit *cleared*, under userfaultfd) and be present, or not present when armed
+   (they read as zeros then) and either still absent or present and still all zeros, whatever
+   their bits say. A swapped-out page is not trusted, at arm (the range is not tracked) or after
    (no answer): its content is not known without reading it back, and a swap entry never has the
-   exclusive bit (a page written and then swapped out would read as unwritten). The partial first
+   exclusive bit (a page written and then swapped out would read as unwritten). Under userfaultfd
+   it is: protecting sets the bit on swap entries (and leaves a marker with the bit on empty
+   ones), a write needs the page back in and clears it, so an entry that still has the bit, present
+   or not, was not written since. The partial first
    and last page, which the range may share with other data (malloc's headers, heap neighbours,
    written for them), are judged by the range's own bytes on them instead, compared with a copy
    taken at arm, whatever the bits say. The copy is taken before the signals start (the
@@ -71,8 +83,12 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
    the page was all zeros): they must read the same. For the zero page (4 KiB, or the huge zero
    page, which reads as a file page) this is a proof; for a page moved by ``mremap`` it is not (a
    moved page of the same first word, or non-zero word, passes), a residual risk of copy-on-write
-   only (soft-dirty marks moved pages written). A realloc that moves a buffer grows it, and the
-   grown part is new pages (and another range: ``nbytes`` differs).
+   only (soft-dirty marks moved pages written). Under userfaultfd neither passes the bits: a
+   dropped page leaves no bit behind, so the zero page read there has none (only a page that was
+   empty when armed, all zeros then too, reads back with it), and a moved page has none where the
+   kernel clears it on ``mremap`` (Linux 6.13+, probed): there the words are not read. A realloc
+   that moves a buffer grows it, and the grown part is new pages (and another range: ``nbytes``
+   differs).
 6. *KSM.* A page merged by KSM is shared (bit 56 clear) and may be the zero page, whatever was
    written to it: no answer for anonymous memory while KSM holds merged pages of this process
    (``/proc/self/ksm_stat``; where the kernel does not say, of any process).
@@ -91,9 +107,11 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
 8. *One tracker at a time.* Every arm voids the trackers armed before it in the process (clearing
    soft-dirty bits, or a new sentinel, would hide their writes), and so does :meth:`close`.
 
-Writes by devices (DMA into pinned pages) set neither bit: pinning for write breaks copy-on-write
+Writes by devices (DMA into pinned pages) set no bit: pinning for write breaks copy-on-write
 (so the page is exclusive, i.e. "written"), and CUDA's own pinned allocations are shared device
-mappings, which rule 2 excludes.
+mappings, which rule 2 excludes. A page pinned for write *before* soft-dirty bits were cleared or
+write-protection set, and written by a device after, is a hole of those two signals (a CPU
+kernel has no device that keeps such pins between cells).
 """
 
 from __future__ import annotations
@@ -108,6 +126,8 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuhub.kernel import uffd
+
 log = logging.getLogger("gpuhub.dirty")
 
 PAGE = mmap.PAGESIZE
@@ -117,6 +137,7 @@ CLEAR_REFS = "/proc/self/clear_refs"
 # Byte 6 of a little-endian pagemap entry holds bit 55, byte 7 bits 56..63.
 _SOFT_DIRTY = 0x80  # bit 55, in byte 6
 _EXCLUSIVE = 0x01  # bit 56, in byte 7
+_UFFD_WP = 0x02  # bit 57, in byte 7: still write-protected, i.e. not written since (uffd.py)
 _FILE = 0x20  # bit 61, in byte 7: a page of a file (page cache) or shared anonymous memory
 _SWAPPED = 0x40  # bit 62, in byte 7
 _PRESENT = 0x80  # bit 63, in byte 7
@@ -332,6 +353,9 @@ _Z8 = bytes(8)
 # (bit 61 in anonymous memory: the huge zero page, which rule 5 tells from the armed page)
 _OK_ANON = bytes(b for b in range(256) if b & _PRESENT)
 _OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIVE)
+# Under write-protection a page not present keeps the bit too: a swap entry, or the marker that
+# protecting an empty entry leaves (Linux turns WP_UNPOPULATED on with asynchronous mode).
+_OK_ANON_WP = bytes(b for b in range(256) if b & _UFFD_WP and b & (_PRESENT | _SWAPPED))
 _OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
 _PRESENT_01 = bytes(1 if b & _PRESENT else 0 for b in range(256))  # for bytes.translate
 _NOT_SWAPPED = bytes(b for b in range(256) if not b & _SWAPPED)
@@ -434,6 +458,14 @@ def _max_fd() -> int:
         return 1 << 16
 
 
+def in_process_signal() -> str:
+    """What an in-process tracker (with ``sentinel`` allowed) uses here: ``"soft-dirty"``,
+    ``"userfaultfd"`` or ``"sentinel"``."""
+    if SOFT_DIRTY:
+        return "soft-dirty"
+    return "userfaultfd" if uffd.write_protect() is not None else "sentinel"
+
+
 def live_sentinel() -> int | None:
     """The pid of this process's sentinel, if one lives (for tests and diagnostics)."""
     s = _sentinel
@@ -458,12 +490,15 @@ class BufferTracker:
     content digest is still valid. See the module docstring, rules 1-8."""
 
     def __init__(self, mode: str, generation: int, armed: dict[tuple[int, int], _Armed],
-                 soft_dirty: bool, cow: bool, sentinel: _Sentinel | None) -> None:
+                 soft_dirty: bool, cow: bool, sentinel: _Sentinel | None, wp: bool = False,
+                 exact: bool = False) -> None:
         self.mode = mode
         self.generation = generation
         self.armed = armed
         self.soft_dirty = soft_dirty
         self.cow = cow
+        self.wp = wp  # userfaultfd write-protection
+        self.exact = exact  # the bits alone prove a page is the armed one (rule 5): no words read
         self.sentinel = sentinel
         self.forks = _forks
         self.children = _exe_children() if cow else None
@@ -475,8 +510,8 @@ class BufferTracker:
 
         ``mode``: ``"forked-child"`` (this process was forked just now, e.g. a GPU cell's child:
         copy-on-write bits) or ``"in-process"`` (the long-lived kernel: soft-dirty bits where they
-        work, else a sentinel child, see :class:`_Sentinel`, unless ``sentinel`` is False: then
-        anonymous memory is not tracked there). Arming voids every tracker armed
+        work, else userfaultfd write-protection, else a sentinel child, see :class:`_Sentinel`;
+        with ``sentinel`` False, none of these: anonymous memory is not tracked there). Arming voids every tracker armed
         before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
         :meth:`digest_if_unchanged` then answers None for it."""
         global _generation, _sentinel
@@ -499,7 +534,7 @@ class BufferTracker:
             # moment can land in the copy and go unseen.
             edges = {k: _edges_of(k[0], k[0] + k[1], *_whole_pages(k[0], k[0] + k[1]))
                      for k, kind in kinds.items() if kind is not None}
-            sd = cow = False
+            sd = cow = wp = exact = False
             allow_sentinel, sentinel = sentinel, None
             if _ANON in kinds.values():
                 sd = SOFT_DIRTY
@@ -511,24 +546,29 @@ class BufferTracker:
                 if mode == "forked-child":
                     cow = _cow_works()
                 elif not sd and allow_sentinel:
-                    try:
-                        sentinel = _sentinel = _Sentinel()
-                    except OSError as exc:
-                        log.debug("no sentinel: %s", exc)
-                    cow = sentinel is not None and _cow_works()
+                    protector = uffd.write_protect()
+                    if protector is not None:
+                        wp, exact = True, protector.mremap_clears
+                        _write_protect(protector, kinds)
+                    else:
+                        try:
+                            sentinel = _sentinel = _Sentinel()
+                        except OSError as exc:
+                            log.debug("no sentinel: %s", exc)
+                        cow = sentinel is not None and _cow_works()
             armed = {}
             fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 for key, d in digests.items():
                     kind = kinds[key]
-                    if kind is None or (kind is _ANON and not (sd or cow)):
+                    if kind is None or (kind is _ANON and not (sd or cow or wp)):
                         continue
-                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key])
+                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key], words=not exact, wp=wp)
                     if a is not None:
                         armed[key] = a
             finally:
                 os.close(fd)
-            return cls(mode, generation, armed, sd, cow, sentinel)
+            return cls(mode, generation, armed, sd, cow, sentinel, wp, exact)
 
     def __len__(self) -> int:
         return len(self.armed)
@@ -585,9 +625,9 @@ class BufferTracker:
             return True
         entries = _entries(a.page, a.count)
         flags = entries[7::8]
-        ok = _OK_ANON_COW if self.cow else _OK_ANON
-        # a page not present when armed (zeros) may be absent still: an entry with no flag
-        if flags.translate(None, ok) and any(f not in ok and (f or i not in a.absent)
+        ok = _OK_ANON_COW if self.cow else _OK_ANON_WP if self.wp else _OK_ANON
+        # a page not present when armed (zeros) is judged by its bytes (below), unless swapped out
+        if flags.translate(None, ok) and any(f not in ok and (i not in a.absent or f & _SWAPPED)
                                              for i, f in enumerate(flags)):
             return False
         if (self.soft_dirty and entries[6::8].translate(None, _CLEAN_SD)
@@ -597,13 +637,14 @@ class BufferTracker:
         # A present page with no write seen may still be another page than the armed one: the zero
         # page (after MADV_DONTNEED, or a new mapping at the same place, then a read), or a page
         # moved here by mremap. Its first word (or the non-zero word it had) must be as armed.
-        runs = _present_runs(flags)
-        for i, j in runs:
-            if _first_words(a.page + i, j - i) != a.firsts[8 * i:8 * j]:
-                return False
-        for i, (w, value) in a.zero_first.items():
-            if w >= 0 and ctypes.c_uint64.from_address((a.page + i) * PAGE + 8 * w).value != value:
-                return False
+        # (Not under write-protection where mremap clears the bit: neither page has the bit.)
+        if not self.exact:
+            for i, j in _present_runs(flags):
+                if _first_words(a.page + i, j - i) != a.firsts[8 * i:8 * j]:
+                    return False
+            for i, (w, value) in a.zero_first.items():
+                if w >= 0 and ctypes.c_uint64.from_address((a.page + i) * PAGE + 8 * w).value != value:
+                    return False
         # absent when armed, here now: must still be all zeros
         return not any(flags[i] & _PRESENT and _witness(a.page + i) >= 0 for i in a.absent)
 
@@ -650,9 +691,25 @@ def _whole_pages(lo: int, hi: int) -> tuple[int, int]:
     return (page, end - page) if end > page else (0, 0)
 
 
+def _write_protect(protector: uffd.WriteProtect, kinds: dict[tuple[int, int], object]) -> None:
+    """Write-protect the whole pages of every anonymous range; one that cannot be (another
+    userfaultfd holds it, a mapping Linux will not register) is not tracked: its kind becomes None."""
+    for key, kind in kinds.items():
+        if kind is _ANON:
+            page, count = _whole_pages(key[0], key[0] + key[1])
+            if count:
+                try:
+                    protector.protect(page * PAGE, (page + count) * PAGE)
+                except OSError as exc:
+                    log.debug("cannot write-protect %#x+%d: %s", key[0], key[1], exc)
+                    kinds[key] = None
+
+
 def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int,
-              edges: tuple[bytes, bytes]) -> _Armed | None:
-    """What arming keeps of [lo, hi); ``edges``: its bytes outside whole pages, taken earlier."""
+              edges: tuple[bytes, bytes], words: bool = True, wp: bool = False) -> _Armed | None:
+    """What arming keeps of [lo, hi); ``edges``: its bytes outside whole pages, taken earlier;
+    ``words``: keep the first word of every present page (rule 5); ``wp``: the range was just
+    write-protected (a page swapped out is then tracked: its entry keeps the bit until a write)."""
     page, count = _whole_pages(lo, hi)
     entries = _entries(page, count, fd) if count else b""
     flags = entries[7::8]
@@ -660,11 +717,10 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int,
     absent: set[int] = set()
     zero_first: dict[int, tuple[int, int]] = {}
     if kind is _ANON:
-        if flags.translate(None, _NOT_SWAPPED):
+        if not wp and flags.translate(None, _NOT_SWAPPED):
             return None  # swapped out: its content is not known without reading it back in
-        runs = _present_runs(flags)
         absent = _absent(flags)  # absent pages are not read (they read as zeros)
-        for i, j in runs:
+        for i, j in _present_runs(flags) if words else ():
             words = _first_words(page + i, j - i)
             firsts[8 * i:8 * j] = words
             for z in _zero_words(words):

@@ -134,7 +134,7 @@ class GpuhubKernel(IPythonKernel):
         if self.replica is not None:
             # every GPU cell forks this process; so does a CPU cell's write-tracking sentinel
             self.replica.huge_pages = self.gpus > 0 or (
-                self.replica.settings.write_tracking == "sentinel" and not dirty.SOFT_DIRTY)
+                self.replica.settings.write_tracking == "pages" and dirty.in_process_signal() == "sentinel")
             # Joining the group (a Raft leader election, catching up) takes a second or so: it
             # runs beside the kernel's start, so kernel_info is answered meanwhile and only the
             # first cell waits for it (_joined).
@@ -538,7 +538,7 @@ class GpuhubKernel(IPythonKernel):
     def _arm_tracker(self):
         """A write tracker over the buffers of the last image this replica holds, and its known_digest."""
         rep = self.replica
-        return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "sentinel")
+        return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages")
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)

@@ -86,11 +86,12 @@ class Settings:
     ready_timeout_s: float = 120.0  # joining the group and catching up at start
     blob_wait_s: float = 30.0  # a value still arriving from the executor's push: wait this long for it
     inline_max_bytes: int = INLINE_MAX_BYTES
-    # How a CPU kernel learns which large buffers a cell wrote, where the Linux kernel lacks
-    # soft-dirty bits: "sentinel" forks a dormant child per cell (a `pass` cell then skips hashing;
-    # writing a large array costs copy-on-write faults, ~0.5 s/GiB, and its pages twice the memory
-    # until the cell ends); "hash" hashes every large buffer once per cell instead (~0.4 s/GiB).
-    write_tracking: str = "sentinel"
+    # How a CPU kernel learns which large buffers a cell wrote: "pages" reads page bits
+    # (gpuhub/kernel/dirty.py: soft-dirty, else userfaultfd write-protection, else a dormant
+    # sentinel child forked per cell, whose copy-on-write costs ~0.5 s per GiB written and holds
+    # written pages twice until the cell ends); "hash" hashes every large buffer once per cell
+    # instead (~0.4 s/GiB). "sentinel" is the old name of "pages".
+    write_tracking: str = "pages"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -103,9 +104,9 @@ class Settings:
                 setattr(s, name, float(os.environ[env]))
         tracking = os.environ.get("GPUHUB_WRITE_TRACKING", "").strip()
         if tracking:
-            if tracking not in ("sentinel", "hash"):
-                raise RuntimeError(f"gpuhub: GPUHUB_WRITE_TRACKING is {tracking!r}; use 'sentinel' or 'hash'")
-            s.write_tracking = tracking
+            if tracking not in ("pages", "sentinel", "hash"):
+                raise RuntimeError(f"gpuhub: GPUHUB_WRITE_TRACKING is {tracking!r}; use 'pages' or 'hash'")
+            s.write_tracking = "pages" if tracking == "sentinel" else tracking
         return s
 
 

@@ -1,12 +1,14 @@
 """dirty.BufferTracker where it forks: the in-process sentinel, forks voiding copy-on-write answers,
-the forked-child mode; the scenarios of a cell in both modes (writes through views, bytearrays,
-reallocations, shared memory, a fork during the cell, torch); property tests over random arrays and
-writes (a wrong digest loses data).
+the forked-child mode; the scenarios of a cell in every mode and signal (writes through views,
+bytearrays, reallocations, shared memory, a fork during the cell, torch); property tests over
+random arrays and writes (a wrong digest loses data).
 
-Every in-process arm on a kernel without soft-dirty (this VM) forks a sentinel child, and the
-forked-child mode runs in a child forked from the test process (as a GPU cell runs in a child
-forked from its replica: the buffers are allocated and written before the fork), so these tests
-live here rather than in tests/unit (no process there). Without a process: tests/unit/test_dirty.py."""
+An in-process arm on a kernel without soft-dirty (this VM) write-protects the pages through a
+userfaultfd (gpuhub/kernel/uffd.py), or forks a sentinel child where that does not work (the tests
+named *sentinel* turn userfaultfd off to get one), and the forked-child mode runs in a child forked
+from the test process (as a GPU cell runs in a child forked from its replica: the buffers are
+allocated and written before the fork), so these tests live here rather than in tests/unit (no
+process there). Without a process: tests/unit/test_dirty.py."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuhub.kernel import dirty, image
+from gpuhub.kernel import dirty, image, uffd
 
 MIB = 1 << 20
 PAGE = dirty.PAGE
@@ -77,6 +79,19 @@ def madvise(addr: int, n: int, advice: int) -> None:
     assert libc.madvise(addr, n, advice) == 0, ctypes.get_errno()
 
 
+def no_userfaultfd(monkeypatch) -> None:
+    """In-process trackers fork a sentinel, as where userfaultfd is missing or filtered."""
+    monkeypatch.setattr(uffd, "write_protect", lambda: None)
+
+
+@pytest.fixture
+def sentinel(monkeypatch):
+    """In-process arms use the sentinel (unless soft-dirty works: then the test is skipped)."""
+    if dirty.SOFT_DIRTY:
+        pytest.skip("soft-dirty works here: no sentinel")
+    no_userfaultfd(monkeypatch)
+
+
 @pytest.fixture
 def in_process():
     """Arm in-process; every tracker is closed after the test (no sentinel left behind)."""
@@ -93,9 +108,7 @@ def in_process():
     assert dirty.live_sentinel() is None
 
 
-def test_sentinel_lives_until_the_next_arm_or_close_and_is_reaped(in_process):
-    if dirty.SOFT_DIRTY:
-        pytest.skip("soft-dirty works here: no sentinel")
+def test_sentinel_lives_until_the_next_arm_or_close_and_is_reaped(sentinel, in_process):
     a = {"a": np.arange(MIB, dtype=np.float64)}
     first = in_process(a)
     pid = dirty.live_sentinel()
@@ -111,12 +124,10 @@ def test_sentinel_lives_until_the_next_arm_or_close_and_is_reaped(in_process):
     assert answers(second, a) == {"a": None}
 
 
-def test_a_write_just_after_the_sentinel_forks_is_seen(in_process, monkeypatch):
+def test_a_write_just_after_the_sentinel_forks_is_seen(sentinel, in_process, monkeypatch):
     """The sentinel's fork is the moment from which writes are seen (the kernel arms between cells
     while a notebook's threads run): a write that lands after the fork but before arming reads the
     page map and the edge bytes is seen, on the partial first page as on an interior one."""
-    if dirty.SOFT_DIRTY:
-        pytest.skip("soft-dirty works here: no sentinel")
     edge = np.zeros((1 << 18) + 1)
     edge = edge[1:] if edge.ctypes.data % PAGE == 0 else edge[:-1]  # element 0 on a partial page
     arrays = {"edge": edge, "inner": np.zeros(1 << 18), "kept": np.zeros(1 << 18)}
@@ -146,9 +157,7 @@ def test_writes_reads_and_neighbours(in_process):
                                         "base": None, "ba": "ba"}
 
 
-def test_a_fork_after_a_write_voids_the_answer_a_child_from_before_does_not(in_process):
-    if dirty.SOFT_DIRTY:
-        pytest.skip("soft-dirty is immune to forks")
+def test_a_fork_after_a_write_voids_the_answer_a_child_from_before_does_not(sentinel, in_process):
     arrays = {"a": np.arange(2 * MIB, dtype=np.float64), "b": np.arange(2 * MIB, dtype=np.float64)}
     r, w = os.pipe()
     early = os.fork()  # a child from before arm: shares no page written after
@@ -185,7 +194,13 @@ def test_zero_page_after_madvise_or_reallocation_is_not_the_armed_page(in_proces
     arrays["untouched"].sum()  # absent when armed, zero page now: still zeros, fine
     madvise((arrays["zeros"].ctypes.data // PAGE + 3) * PAGE, 2 * PAGE, MADV_DONTNEED)
     arrays["zeros"].sum()
-    assert answers(tracker, arrays) == {"dropped": None, "zeros": "zeros", "untouched": "untouched"}
+    # Under write-protection a dropped page comes back without the bit: answered only if it was
+    # not there when armed (a zero page then and now); malloc may have handed out used memory.
+    zeros = tracker.armed[(arrays["zeros"].ctypes.data, arrays["zeros"].nbytes)]
+    first = arrays["zeros"].ctypes.data // PAGE + 3 - zeros.page
+    dropped_then = {first, first + 1} <= zeros.absent
+    assert answers(tracker, arrays) == {"dropped": None, "zeros": "zeros" if dropped_then or not tracker.wp else None,
+                                        "untouched": "untouched"}
 
 
 def test_freed_and_reallocated_at_the_same_address(in_process):
@@ -207,7 +222,66 @@ def test_freed_and_reallocated_at_the_same_address(in_process):
                 assert got is None
 
 
-def test_sentinel_with_busy_threads(in_process):
+@pytest.fixture
+def write_protected():
+    if dirty.SOFT_DIRTY or uffd.write_protect() is None:
+        pytest.skip("in-process trackers use soft-dirty, or userfaultfd does not work here")
+
+
+def test_write_protection_forks_nothing_and_a_fork_hides_no_write(write_protected, in_process):
+    arrays = {"a": np.arange(2 * MIB, dtype=np.float64), "b": np.arange(2 * MIB, dtype=np.float64)}
+    tracker = in_process(arrays)
+    assert tracker.wp and not tracker.cow and dirty.live_sentinel() is None
+    arrays["a"][0] = 7.0
+    r, w = os.pipe()
+    pid = os.fork()  # shares every page with a child that lives on: the bits stay the parent's
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        arrays["b"][-1] = 7.0  # a write to a page shared with the child: copied, and seen
+        assert answers(tracker, arrays) == {"a": None, "b": None}
+        c = {"c": np.arange(2 * MIB, dtype=np.float64)}
+        again = in_process(c)
+        assert answers(again, c) == {"c": "c"}  # a child alive at arm voids nothing here
+        c["c"][5] = 1.0
+        assert answers(again, c) == {"c": None}
+    finally:
+        os.close(w)
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def test_a_range_another_userfaultfd_holds_is_not_tracked(write_protected, in_process):
+    maps = [mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE) for _ in range(2)]  # new: registered by no one
+    arrays = {name: np.frombuffer(m, dtype=np.uint8) for name, m in zip(("held", "free"), maps, strict=True)}
+    for a in arrays.values():
+        a[:] = 1
+    other = uffd.WriteProtect()  # user code's own userfaultfd, registered first
+    try:
+        held = arrays["held"]
+        lo = -(-held.ctypes.data // PAGE) * PAGE
+        other.protect(lo, (held.ctypes.data + held.nbytes) // PAGE * PAGE)
+        tracker = in_process(arrays)
+        assert answers(tracker, arrays) == {"held": None, "free": "free"}
+    finally:
+        other.close()
+
+
+def test_a_child_never_drives_its_parents_userfaultfd(write_protected):
+    parent = uffd.write_protect()
+
+    def child():
+        mine = uffd.write_protect()
+        return parent.fd, mine is not parent and (mine is None or mine.pid == os.getpid())
+
+    fd, own = in_child(child)
+    assert fd == -1 and own  # closed in the child at the fork; the child opened its own
+    assert uffd.write_protect() is parent and parent.fd >= 0  # still open here
+
+
+def test_sentinel_with_busy_threads(sentinel, in_process):
     """Arm while other threads allocate, log and hold locks: the sentinel ends every time."""
     import logging
     stop = threading.Event()
@@ -269,7 +343,7 @@ def check(mode: str, ns: dict, cell, names=None) -> dict:
     def run():
         t = dirty.BufferTracker.arm([(*where(ns[n]), n) for n in names], mode=mode)
         try:
-            assert t.soft_dirty or t.cow, "no signal works here"
+            assert t.soft_dirty or t.cow or t.wp, "no signal works here"
             cell(ns)
             return {n: t.digest_if_unchanged(*where(ns[n])) for n in names if n in ns}
         finally:
@@ -282,8 +356,14 @@ def check(mode: str, ns: dict, cell, names=None) -> dict:
     return got
 
 
-@pytest.fixture(params=dirty.MODES)
-def mode(request):
+@pytest.fixture(params=["forked-child", "in-process", "in-process, sentinel"])
+def mode(request, monkeypatch):
+    """Each mode, and in-process with the sentinel instead of userfaultfd (where soft-dirty is missing)."""
+    if request.param == "in-process, sentinel":
+        if dirty.SOFT_DIRTY:
+            pytest.skip("soft-dirty works here: no sentinel")
+        no_userfaultfd(monkeypatch)
+        return "in-process"
     return request.param
 
 
@@ -509,7 +589,7 @@ def run_plan(plan, bufs, arm) -> tuple[int, int]:
     return hits, untouched
 
 
-STATS = {"in-process": [0, 0], "forked-child": [0, 0]}
+STATS = {"in-process": [0, 0], "in-process, sentinel": [0, 0], "forked-child": [0, 0]}
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
@@ -523,6 +603,20 @@ def test_property_in_process(plan):
     # Soundness (no changed buffer answered) is asserted inside run_plan. How many untouched buffers
     # are answered is only reported (test_property_hit_rates): a miss costs a hash, not data, and on
     # a loaded machine the kernel may legitimately move a page (khugepaged) or refuse the sentinel.
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(PLANS)
+def test_property_in_process_sentinel(plan):
+    if dirty.SOFT_DIRTY or dirty.in_process_signal() == "sentinel":
+        return  # the test above covers the one in-process signal this kernel has
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uffd, "write_protect", lambda: None)
+        hits, untouched = run_plan(plan, make_buffers(plan),
+                                   lambda k: dirty.BufferTracker.arm(k, mode="in-process"))
+    STATS["in-process, sentinel"][0] += hits
+    STATS["in-process, sentinel"][1] += untouched
+    assert dirty.live_sentinel() is None
 
 
 @settings(max_examples=60, **SETTINGS)

@@ -281,35 +281,23 @@ def test_every_write_to_a_large_array_reaches_the_group(kernel):
     assert out == expected
 
 
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found.update(int(c) for c in (task / "children").read_text().split())
-    return found
-
-
-def test_a_write_between_cells_after_the_next_arming_reaches_the_group(cluster, tmp_path):
-    """A CPU kernel arms the next cell's write tracker once a cell's idle went out (a sentinel
-    child forked then). A background thread that writes a large array after that is seen by the
-    next cell's capture: a follower that takes over has the write."""
+def test_a_write_between_cells_after_the_next_arming_reaches_the_group(cluster):
+    """A CPU kernel arms the next cell's write tracker once a cell's idle went out (write-protecting
+    the pages, or forking a sentinel child). A background thread that writes a large array after
+    that is seen by the next cell's capture: a follower that takes over has the write."""
     kernel = ReplicatedKernel(cluster, gpus=0)
     try:
-        go, done = tmp_path / "go", tmp_path / "done"
-        ok(kernel, "import numpy as np, os, threading, time\nbig = np.zeros(1 << 18)  # 2 MiB: tracked")
-        pid = kernel.pid(executor_id(kernel))
-        out = ok(kernel, f"""from gpuhub.kernel import dirty
+        ok(kernel, "import numpy as np, threading\nbig = np.zeros(1 << 18)  # 2 MiB: tracked")
+        ok(kernel, """from gpuhub.kernel import dirty
+armed, written = dirty._generation, threading.Event()
 def writer():
-    while not os.path.exists({str(go)!r}):
-        time.sleep(0.01)
-    big[0] = 7
-    open({str(done)!r}, "w").close()
-threading.Thread(target=writer, daemon=True).start()
-print(dirty.live_sentinel())""")
-        during = int(out["stdout"])  # this cell's sentinel; the next one's is forked after the idle
-        wait_for(lambda: _children(pid) - {during}, 30, "the tracker for the next cell to be armed")
-        go.touch()
-        wait_for(done.exists, 30, "the background write")
-        ok(kernel, "pass")  # captures the namespace: big changed since the arming
+    while dirty._generation == armed:  # the next arming, after this cell's idle, has begun ...
+        written.wait(0.01)
+    with dirty._arm_lock:  # ... and is over: its signal is on
+        big[0] = 7
+    written.set()
+threading.Thread(target=writer, daemon=True).start()""")
+        assert ok(kernel, "print(written.wait(30))")["stdout"].split() == ["True"]  # captures: big changed
         kill_replica(kernel, executor_id(kernel))  # a follower's copy takes over
         assert ok(kernel, "print(big[0])", timeout=60)["stdout"].split() == ["7.0"]
     finally:
