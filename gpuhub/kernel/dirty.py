@@ -31,11 +31,12 @@ and **all** of the rules below hold; anything else answers None, and the caller 
 None costs time, a false digest silently loses data). No object identity or layout is involved,
 only whether these bytes changed: shape, dtype and the rest travel in the pickle stream.
 
-1. *Signals by mode.* ``"forked-child"`` (the GPU cell's child, forked from its replica just
-   before the cell): copy-on-write, plus soft-dirty where it works (OR-ed in).
-   ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else userfaultfd
-   write-protection where it works (:func:`gpuhub.kernel.uffd.write_protect`; a range it cannot
-   register is not tracked); else a **sentinel**, a dormant child forked at arm
+1. *Signals by mode.* In both, userfaultfd write-protection where it works
+   (:func:`gpuhub.kernel.uffd.write_protect`; a range it cannot register is not tracked), and
+   then no other signal. Else, ``"forked-child"`` (the GPU cell's child, forked from its replica
+   just before the cell): copy-on-write, plus soft-dirty where it works (OR-ed in).
+   ``"in-process"`` (the long-lived kernel): soft-dirty where it works; else a **sentinel**, a
+   dormant child forked at arm
    (:class:`_Sentinel`): while it lives, every private anonymous page of the kernel is shared
    with it, so a page the kernel writes afterwards is copied and exclusive.
    The child runs no code of ours but system calls (it closes every other descriptor and blocks
@@ -459,11 +460,11 @@ def _max_fd() -> int:
 
 
 def in_process_signal() -> str:
-    """What an in-process tracker (with ``sentinel`` allowed) uses here: ``"soft-dirty"``,
-    ``"userfaultfd"`` or ``"sentinel"``."""
-    if SOFT_DIRTY:
-        return "soft-dirty"
-    return "userfaultfd" if uffd.write_protect() is not None else "sentinel"
+    """What an in-process tracker (with ``sentinel`` allowed) uses here: ``"userfaultfd"``,
+    ``"soft-dirty"`` or ``"sentinel"``."""
+    if uffd.write_protect() is not None:
+        return "userfaultfd"
+    return "soft-dirty" if SOFT_DIRTY else "sentinel"
 
 
 def live_sentinel() -> int | None:
@@ -536,26 +537,27 @@ class BufferTracker:
                      for k, kind in kinds.items() if kind is not None}
             sd = cow = wp = exact = False
             allow_sentinel, sentinel = sentinel, None
-            if _ANON in kinds.values():
+            protector = None
+            if _ANON in kinds.values() and (mode == "forked-child" or allow_sentinel):
+                protector = uffd.write_protect()
+            if protector is not None:  # first: a write after this is seen; the rest only reads
+                wp, exact = True, protector.mremap_clears
+                _write_protect(protector, kinds)
+            elif _ANON in kinds.values():
                 sd = SOFT_DIRTY
                 if sd:
                     try:
-                        clear_soft_dirty()  # first: a write after this is seen; the rest only reads
+                        clear_soft_dirty()  # first, as above
                     except OSError:
                         sd = False
                 if mode == "forked-child":
                     cow = _cow_works()
                 elif not sd and allow_sentinel:
-                    protector = uffd.write_protect()
-                    if protector is not None:
-                        wp, exact = True, protector.mremap_clears
-                        _write_protect(protector, kinds)
-                    else:
-                        try:
-                            sentinel = _sentinel = _Sentinel()
-                        except OSError as exc:
-                            log.debug("no sentinel: %s", exc)
-                        cow = sentinel is not None and _cow_works()
+                    try:
+                        sentinel = _sentinel = _Sentinel()
+                    except OSError as exc:
+                        log.debug("no sentinel: %s", exc)
+                    cow = sentinel is not None and _cow_works()
             armed = {}
             fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
             try:

@@ -1,11 +1,12 @@
 """Which pages did this process write? userfaultfd write-protection in asynchronous mode.
 
-A CPU kernel asks after every cell which of the namespace's large buffers the cell wrote
-(gpuhub/kernel/dirty.py). Where Linux has no soft-dirty bits (kernels built without
-``CONFIG_MEM_SOFT_DIRTY``, and arm64, which never has them) that answer came from a forked
-*sentinel*: every page then shared with a dormant child, so the kernel's first write to a page
-copied it (about 0.5 s per GiB written, and a fork of the whole kernel per cell). This module gives
-the same answer without a fork or a copy, from Linux 6.7 on:
+After every cell the kernel asks which of the namespace's large buffers the cell wrote
+(gpuhub/kernel/dirty.py). Without this module the answer comes from page bits that cost more:
+soft-dirty (kernels built without ``CONFIG_MEM_SOFT_DIRTY``, and arm64, never have it), else a
+forked *sentinel* in a CPU kernel (every page then shared with a dormant child, so the kernel's
+first write to a page copies it: about 0.5 s per GiB written, and a fork of the whole kernel per
+cell), and copy-on-write bits in a GPU cell's child (which must then read a word of every page,
+see rule 5 there). This module gives the answer without a fork or a copy, from Linux 6.7 on:
 
 - a userfaultfd of this process, opened with ``UFFD_FEATURE_WP_ASYNC``, registered over a range in
   write-protect mode; ``UFFDIO_WRITEPROTECT`` sets the *uffd-wp* bit of every present page of it;

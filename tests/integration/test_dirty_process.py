@@ -315,10 +315,10 @@ def test_forked_child_mode():
     def child():
         t = dirty.BufferTracker.arm(known(arrays), mode="forked-child")
         arrays["w"][5] = 0
-        return t.cow, answers(t, arrays), dirty.live_sentinel()
+        return t.cow or t.wp, answers(t, arrays), dirty.live_sentinel()
 
-    cow, got, sentinel = in_child(child)
-    assert cow and sentinel is None
+    signal, got, sentinel = in_child(child)
+    assert signal and sentinel is None
     assert got == {"w": None, "k": "k"}
 
 
@@ -356,15 +356,18 @@ def check(mode: str, ns: dict, cell, names=None) -> dict:
     return got
 
 
-@pytest.fixture(params=["forked-child", "in-process", "in-process, sentinel"])
+@pytest.fixture(params=["forked-child", "in-process", "forked-child, copy-on-write", "in-process, sentinel"])
 def mode(request, monkeypatch):
-    """Each mode, and in-process with the sentinel instead of userfaultfd (where soft-dirty is missing)."""
-    if request.param == "in-process, sentinel":
-        if dirty.SOFT_DIRTY:
+    """Each mode, and each without userfaultfd: copy-on-write bits in the child, the sentinel (where
+    soft-dirty is missing) in-process."""
+    mode, _, without = request.param.partition(", ")
+    if without:
+        if uffd.write_protect() is None:
+            pytest.skip("no userfaultfd here: the plain mode is this one")
+        if without == "sentinel" and dirty.SOFT_DIRTY:
             pytest.skip("soft-dirty works here: no sentinel")
         no_userfaultfd(monkeypatch)
-        return "in-process"
-    return request.param
+    return mode
 
 
 def big_array(mib: int = 16) -> np.ndarray:
@@ -486,7 +489,7 @@ def test_shared_memory_is_never_trusted_untouched_memory_is(mode):
     assert check(mode, ns, cell) == {"shared": None, "quiet": None, "zeros": "zeros", "fine": "fine"}
 
 
-def test_a_fork_during_the_cell_voids_the_copy_on_write_answer():
+def test_a_fork_during_the_cell_voids_the_copy_on_write_answer_not_write_protection(monkeypatch):
     ns = {"big": big_array(), "other": big_array()}
 
     def cell(ns):
@@ -496,6 +499,9 @@ def test_a_fork_during_the_cell_voids_the_copy_on_write_answer():
             time.sleep(3)
             os._exit(0)
 
+    if uffd.write_protect() is not None:
+        assert check("forked-child", ns, cell) == {"big": None, "other": "other"}
+        no_userfaultfd(monkeypatch)
     assert check("forked-child", ns, cell) == {"big": None, "other": None}
 
 
@@ -589,7 +595,7 @@ def run_plan(plan, bufs, arm) -> tuple[int, int]:
     return hits, untouched
 
 
-STATS = {"in-process": [0, 0], "in-process, sentinel": [0, 0], "forked-child": [0, 0]}
+STATS = {mode: [0, 0] for mode in ("in-process", "in-process, sentinel", "forked-child", "forked-child, copy-on-write")}
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
@@ -626,6 +632,20 @@ def test_property_forked_child(plan):
     hits, untouched = in_child(lambda: run_plan(plan, bufs, lambda k: dirty.BufferTracker.arm(k, mode="forked-child")))
     STATS["forked-child"][0] += hits
     STATS["forked-child"][1] += untouched
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(PLANS)
+def test_property_forked_child_copy_on_write(plan):
+    if uffd.write_protect() is None:
+        return  # the test above covers the one signal this kernel has in a child
+    bufs = make_buffers(plan)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uffd, "write_protect", lambda: None)
+        hits, untouched = in_child(
+            lambda: run_plan(plan, bufs, lambda k: dirty.BufferTracker.arm(k, mode="forked-child")))
+    STATS["forked-child, copy-on-write"][0] += hits
+    STATS["forked-child, copy-on-write"][1] += untouched
 
 
 def test_property_hit_rates():

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuhub.kernel import dirty, hugepages
+from gpuhub.kernel import dirty, hugepages, uffd
 from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
 
@@ -34,6 +34,7 @@ def test_soft_dirty_probe_matches_this_kernel():
 
 def test_anonymous_memory_without_a_signal_is_not_answered(monkeypatch):
     monkeypatch.setattr(dirty, "SOFT_DIRTY", False)
+    monkeypatch.setattr(uffd, "write_protect", lambda: None)
     a = big_array(4)
     # not just forked: no copy-on-write signal, and the forked-child mode makes no sentinel
     tracker = dirty.BufferTracker.arm([(a.ctypes.data, a.nbytes, "d")], mode="forked-child")
