@@ -3,26 +3,31 @@
 Run: `.venv/bin/python -m bench dirty` (or `-m bench.dirty_bench [GIB]`). In this process, arrays
 of 128 MiB adding up to GIB (default 1) GiB:
 
-- ``pass`` cell: ``BufferTracker.arm`` over them (in-process mode: soft-dirty where the kernel has
-  it, else the sentinel fork) + ``digest_if_unchanged`` of each, vs ``digest`` of each (what the
-  pickler pays without the tracker);
+- ``pass`` cell: ``BufferTracker.arm`` over them in-process + ``digest_if_unchanged`` of each,
+  with each signal this machine has (userfaultfd write-protection, soft-dirty or the sentinel
+  fork), vs ``digest`` of each (what the pickler pays without the tracker);
+- the same check in a forked child (a GPU cell's, after a cell that wrote nothing): userfaultfd
+  against copy-on-write bits with the first word of every page;
 - the sentinel's fork + end, with the arrays in 4 KiB pages and in 2 MiB pages (1 and 4 GiB);
-- writing all the arrays once (``a += 1``) while a sentinel lives (every page copied on write)
-  vs with none.
+- writing all the arrays once (``a += 1``) under write-protection, while a sentinel lives (every
+  page copied on write), and with neither.
 
 Quoted: medians over REPEATS runs, seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import pickle
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from gpuhub.kernel import dirty
+from gpuhub.kernel import dirty, uffd
 from gpuhub.replication.digest import digest
 
 GIB = 1 << 30
@@ -65,23 +70,60 @@ def median(fn, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def pass_cell(total: int = GIB) -> dict:
+@contextlib.contextmanager
+def without_userfaultfd(off: bool = True):
+    """Trackers use the other signals (as where userfaultfd does not work)."""
+    real = uffd.write_protect
+    if off:
+        uffd.write_protect = lambda: None
+    try:
+        yield
+    finally:
+        uffd.write_protect = real
+
+
+def arm_and_check(known, mode: str) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    tracker = dirty.BufferTracker.arm(known, mode=mode)
+    t1 = time.perf_counter()
+    got = [tracker.digest_if_unchanged(a, n) for a, n, _ in known]
+    t2 = time.perf_counter()
+    tracker.close()
+    return t1 - t0, t2 - t1, sum(g == d for g, (_, _, d) in zip(got, known, strict=True))
+
+
+def pass_cell(total: int = GIB, wp: bool = True) -> dict:
     arrs = arrays(total)
     known = [(a.ctypes.data, a.nbytes, digest(a)) for a in arrs]
     t_digest = median(lambda: [digest(a) for a in arrs])
-    t_arm, t_check, hits = [], [], 0
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        tracker = dirty.BufferTracker.arm(known, mode="in-process")
-        t1 = time.perf_counter()
-        got = [tracker.digest_if_unchanged(a, n) for a, n, _ in known]
-        t2 = time.perf_counter()
-        tracker.close()
-        t_arm.append(t1 - t0)
-        t_check.append(t2 - t1)
-        hits = sum(g == d for g, (_, _, d) in zip(got, known, strict=True))
-    return {"digest": t_digest, "arm": statistics.median(t_arm), "check": statistics.median(t_check),
-            "answered": f"{hits}/{len(known)}"}
+    with without_userfaultfd(not wp):
+        signal = dirty.in_process_signal()
+        runs = [arm_and_check(known, "in-process") for _ in range(REPEATS)]
+    return {"signal": signal, "digest": t_digest, "arm": statistics.median(r[0] for r in runs),
+            "check": statistics.median(r[1] for r in runs), "answered": f"{runs[-1][2]}/{len(known)}"}
+
+
+def child_check(total: int = GIB, wp: bool = True) -> dict:
+    """Arm and check in a child forked just before, REPEATS times (one child each)."""
+    arrs = arrays(total, huge=True)  # as a GPU kernel's replica holds them
+    known = [(a.ctypes.data, a.nbytes, digest(a)) for a in arrs]
+    runs = []
+    with without_userfaultfd(not wp):
+        for _ in range(REPEATS):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(r)
+                    os.write(w, pickle.dumps(arm_and_check(known, "forked-child")))
+                finally:
+                    os._exit(0)
+            os.close(w)
+            with os.fdopen(r, "rb") as f:
+                runs.append(pickle.loads(f.read()))
+            os.waitpid(pid, 0)
+    return {"arm": statistics.median(r[0] for r in runs), "check": statistics.median(r[1] for r in runs),
+            "answered": f"{runs[-1][2]}/{len(known)}"}
 
 
 def sentinel_fork(total: int, huge: bool) -> dict:
@@ -105,32 +147,50 @@ def cow_write(total: int = GIB) -> dict:
             a += 1
 
     without = median(write)
-    with_sentinel = []
+    with_sentinel, protected = [], []
     for _ in range(REPEATS):
         s = dirty._Sentinel()
         t0 = time.perf_counter()
         write()
         with_sentinel.append(time.perf_counter() - t0)
         s.end()
-    return {"no sentinel": without, "sentinel": statistics.median(with_sentinel)}
+    protector = uffd.write_protect()
+    for _ in range(REPEATS if protector is not None else 0):
+        for a in arrs:
+            lo = -(-a.ctypes.data // dirty.PAGE) * dirty.PAGE
+            protector.protect(lo, (a.ctypes.data + a.nbytes) // dirty.PAGE * dirty.PAGE)
+        t0 = time.perf_counter()
+        write()
+        protected.append(time.perf_counter() - t0)
+    return {"no sentinel": without, "sentinel": statistics.median(with_sentinel),
+            "write-protected": statistics.median(protected) if protected else None}
 
 
 def main(total: int = GIB) -> str:
+    wp = uffd.write_protect() is not None
     lines = [f"## Buffer dirty tracking (`python -m bench.dirty_bench`), soft-dirty here: "
-             f"{'yes' if dirty.SOFT_DIRTY else 'no (sentinel fork)'}", ""]
-    p = pass_cell(total)
-    lines += [f"`pass` cell over {total / GIB:g} GiB in {total // PIECE} arrays: digest {p['digest']:.3f} s; "
-              f"arm {p['arm'] * 1e3:.1f} ms + digest_if_unchanged {p['check'] * 1e3:.1f} ms "
-              f"(answered {p['answered']})", "",
-              "| arrays | pages | sentinel fork | end + reap | AnonHugePages |", "|---|---|---|---|---|"]
+             f"{'yes' if dirty.SOFT_DIRTY else 'no'}, userfaultfd write-protection: {'yes' if wp else 'no'}", "",
+             f"`pass` cell over {total / GIB:g} GiB in {total // PIECE} arrays:", "",
+             "| where | signal | arm | digest_if_unchanged (all) | answered | digest instead |",
+             "|---|---|---|---|---|---|"]
+    for protect in (True, False) if wp else (False,):
+        p = pass_cell(total, protect)
+        lines.append(f"| in-process | {p['signal']} | {p['arm'] * 1e3:.1f} ms | {p['check'] * 1e3:.1f} ms "
+                     f"| {p['answered']} | {p['digest']:.3f} s |")
+    for protect in (True, False) if wp else (False,):
+        c = child_check(total, protect)
+        lines.append(f"| forked child, 2 MiB pages | {'userfaultfd' if protect else 'copy-on-write'} "
+                     f"| {c['arm'] * 1e3:.1f} ms | {c['check'] * 1e3:.1f} ms | {c['answered']} | |")
+    lines += ["", "| arrays | pages | sentinel fork | end + reap | AnonHugePages |", "|---|---|---|---|---|"]
     for size in (GIB, 4 * GIB):
         for huge in (False, True):
             r = sentinel_fork(size, huge)
             lines.append(f"| {size // GIB} GiB | {'2 MiB' if huge else '4 KiB'} | {r['fork'] * 1e3:.1f} ms "
                          f"| {r['end'] * 1e3:.1f} ms | {r['huge MiB']} MiB |")
     w = cow_write(total)
-    lines += ["", f"Writing {total / GIB:g} GiB (`a += 1`): {w['no sentinel']:.3f} s without a sentinel, "
-              f"{w['sentinel']:.3f} s while one lives (copy-on-write faults)"]
+    protected = f", {w['write-protected']:.3f} s write-protected" if w["write-protected"] is not None else ""
+    lines += ["", f"Writing {total / GIB:g} GiB (`a += 1`): {w['no sentinel']:.3f} s without a signal, "
+              f"{w['sentinel']:.3f} s while a sentinel lives (copy-on-write faults){protected}"]
     return "\n".join(lines)
 
 

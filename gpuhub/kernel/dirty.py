@@ -298,6 +298,7 @@ BLOB_FILE = "/memfd:gpuhub-blob"
 """How /proc/self/maps names the blob store's memfds (gpuhub/replication/blobstore.py, ``_FileBuffer``):
 files written once, before they are stored, and never again (rule 7 of the module docstring)."""
 _ANON = "anon"
+_last_maps: _Maps | None = None
 
 
 class _Maps:
@@ -306,12 +307,11 @@ class _Maps:
     mapping of a blob store file: the key names the file and where it is mapped) or None (anything
     else: shared, another file, unreadable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, text: str) -> None:
+        self.text = text
         self.starts: list[int] = []
         self.ranges: list[tuple[int, int]] = []
         self.kinds: list[object] = []
-        with open("/proc/self/maps", "rb") as f:
-            text = f.read().decode("utf-8", "replace")  # at once: reading /proc by lines is slow
         for line in text.splitlines():
             parts = line.split(maxsplit=5)
             if len(parts) >= 5:
@@ -329,6 +329,18 @@ class _Maps:
                 self.starts.append(start)
                 self.ranges.append((start, end))
                 self.kinds.append(kind)
+
+    @classmethod
+    def now(cls) -> _Maps:
+        """/proc/self/maps as it is now; parsed again only when its text changed (a capture asks
+        once per buffer, and parsing a few hundred lines costs about a millisecond)."""
+        global _last_maps
+        with open("/proc/self/maps", "rb") as f:
+            text = f.read().decode("utf-8", "replace")  # at once: reading /proc by lines is slow
+        last = _last_maps
+        if last is None or last.text != text:
+            last = _last_maps = cls(text)
+        return last
 
     def kind(self, lo: int, hi: int) -> object:
         """The one kind of the mappings that cover [lo, hi) without a gap, or None."""
@@ -528,7 +540,7 @@ class BufferTracker:
             old, _sentinel = _sentinel, None
             if old is not None:
                 old.end()
-            maps = _Maps()
+            maps = _Maps.now()
             kinds = {k: maps.kind(k[0], k[0] + k[1]) if k[1] > 0 else None for k in digests}
             # The partial first and last pages are judged by their bytes (rule 3): copied before
             # the signals start (the fork, clearing soft-dirty), so that no write after that
@@ -588,7 +600,7 @@ class BufferTracker:
         if a is None or a.digest is None or self.closed or self.generation != _generation:
             return None
         try:
-            if _Maps().kind(address, address + nbytes) != a.kind:
+            if _Maps.now().kind(address, address + nbytes) != a.kind:
                 return None  # unmapped, mapped again (another file, or shared), made unreadable
             if a.kind is _ANON:
                 if self.cow and self._forked():

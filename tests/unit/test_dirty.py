@@ -95,11 +95,11 @@ def test_blob_files_are_named_as_the_tracker_expects():
     store = BlobStore(file_backed=True)
     d = stored_file(store, os.urandom(4 * MIB))
     _m, addr = private_map(store, d, 4 * MIB)  # kept mapped
-    assert dirty._Maps().kind(addr, addr + 4 * MIB)[0] == "file"
+    assert dirty._Maps.now().kind(addr, addr + 4 * MIB)[0] == "file"
     anon = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE)
-    assert dirty._Maps().kind(dirty._address(anon), dirty._address(anon) + 4 * MIB) == "anon"
+    assert dirty._Maps.now().kind(dirty._address(anon), dirty._address(anon) + 4 * MIB) == "anon"
     shared = mmap.mmap(-1, 4 * MIB)
-    assert dirty._Maps().kind(dirty._address(shared), dirty._address(shared) + 4 * MIB) is None
+    assert dirty._Maps.now().kind(dirty._address(shared), dirty._address(shared) + 4 * MIB) is None
 
 
 def test_private_file_mapping_written_or_not():
