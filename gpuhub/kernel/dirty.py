@@ -64,7 +64,9 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
    exclusive bit (a page written and then swapped out would read as unwritten). Under userfaultfd
    it is: protecting sets the bit on swap entries (and leaves a marker with the bit on empty
    ones), a write needs the page back in and clears it, so an entry that still has the bit, present
-   or not, was not written since. The partial first
+   or not, was not written since; the pages known to be zeros are those whose entries were empty
+   just before protecting (after, an empty one and one whose data is in swap or being migrated
+   look alike). Where ``mremap`` keeps the bit (rule 5), only present pages pass. The partial first
    and last page, which the range may share with other data (malloc's headers, heap neighbours,
    written for them), are judged by the range's own bytes on them instead, compared with a copy
    taken at arm, whatever the bits say. The copy is taken before the signals start (the
@@ -111,8 +113,10 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
 Writes by devices (DMA into pinned pages) set no bit: pinning for write breaks copy-on-write
 (so the page is exclusive, i.e. "written"), and CUDA's own pinned allocations are shared device
 mappings, which rule 2 excludes. A page pinned for write *before* soft-dirty bits were cleared or
-write-protection set, and written by a device after, is a hole of those two signals (a CPU
-kernel has no device that keeps such pins between cells).
+write-protection set, and written by a device after, would escape those two signals: where they
+are the only signal, anonymous memory gets no answer while the process holds pinned pages
+(``VmPin``, at arm or when asked; pins that Linux does not count there, such as an ``O_DIRECT``
+read in flight across the arming, remain a residual risk).
 """
 
 from __future__ import annotations
@@ -266,6 +270,20 @@ def _exe_children() -> set[tuple[int, str]] | None:
     return found
 
 
+def _pinned() -> bool:
+    """Whether this process holds pages pinned for a device (``VmPin``: RDMA memory regions,
+    io_uring fixed buffers): a device writes them without a fault, so no write-protect or
+    soft-dirty bit shows it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmPin:"):
+                    return int(line.split()[1]) != 0
+    except (OSError, ValueError, IndexError):
+        return True
+    return False
+
+
 def _ksm_merged() -> bool:
     """Whether KSM may hold merged pages of this process (a merged page is shared, a zero-filled one
     may be the zero page: neither reads as written). Per process where the kernel says (6.10+: both
@@ -369,8 +387,11 @@ _OK_ANON_COW = bytes(b for b in range(256) if b & _PRESENT and not b & _EXCLUSIV
 # Under write-protection a page not present keeps the bit too: a swap entry, or the marker that
 # protecting an empty entry leaves (Linux turns WP_UNPOPULATED on with asynchronous mode).
 _OK_ANON_WP = bytes(b for b in range(256) if b & _UFFD_WP and b & (_PRESENT | _SWAPPED))
+# Where mremap keeps the bit, a moved entry could pass it: only present pages, whose words rule 5 reads.
+_OK_ANON_WP_PRESENT = bytes(b for b in range(256) if b & _UFFD_WP and b & _PRESENT)
 _OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
 _PRESENT_01 = bytes(1 if b & _PRESENT else 0 for b in range(256))  # for bytes.translate
+_IN_USE_01 = bytes(1 if b & (_PRESENT | _SWAPPED) else 0 for b in range(256))
 _NOT_SWAPPED = bytes(b for b in range(256) if not b & _SWAPPED)
 
 _generation = 0  # every arm in this process adds one: it voids every tracker armed before
@@ -512,6 +533,7 @@ class BufferTracker:
         self.cow = cow
         self.wp = wp  # userfaultfd write-protection
         self.exact = exact  # the bits alone prove a page is the armed one (rule 5): no words read
+        self.pinned = (wp or soft_dirty) and not cow and _pinned()  # see _pinned
         self.sentinel = sentinel
         self.forks = _forks
         self.children = _exe_children() if cow else None
@@ -522,9 +544,9 @@ class BufferTracker:
         """Start tracking the buffers ``known``: (address, nbytes, digest of those bytes now).
 
         ``mode``: ``"forked-child"`` (this process was forked just now, e.g. a GPU cell's child:
-        copy-on-write bits) or ``"in-process"`` (the long-lived kernel: soft-dirty bits where they
-        work, else userfaultfd write-protection, else a sentinel child, see :class:`_Sentinel`;
-        with ``sentinel`` False, none of these: anonymous memory is not tracked there). Arming voids every tracker armed
+        userfaultfd write-protection where it works, else copy-on-write bits) or ``"in-process"``
+        (the long-lived kernel: userfaultfd write-protection, else soft-dirty bits, else a sentinel
+        child, see :class:`_Sentinel`; with ``sentinel`` False, only soft-dirty). Arming voids every tracker armed
         before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
         :meth:`digest_if_unchanged` then answers None for it."""
         global _generation, _sentinel
@@ -552,8 +574,10 @@ class BufferTracker:
             protector = None
             if _ANON in kinds.values() and (mode == "forked-child" or allow_sentinel):
                 protector = uffd.write_protect()
+            empty: dict[tuple[int, int], set[int]] = {}
             if protector is not None:  # first: a write after this is seen; the rest only reads
                 wp, exact = True, protector.mremap_clears
+                empty = _empty_pages(kinds)
                 _write_protect(protector, kinds)
             elif _ANON in kinds.values():
                 sd = SOFT_DIRTY
@@ -577,7 +601,8 @@ class BufferTracker:
                     kind = kinds[key]
                     if kind is None or (kind is _ANON and not (sd or cow or wp)):
                         continue
-                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key], words=not exact, wp=wp)
+                    a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key], words=not exact,
+                                  empty=empty.get(key) if wp else None)
                     if a is not None:
                         armed[key] = a
             finally:
@@ -604,6 +629,8 @@ class BufferTracker:
                 return None  # unmapped, mapped again (another file, or shared), made unreadable
             if a.kind is _ANON:
                 if self.cow and self._forked():
+                    return None
+                if (self.wp or self.soft_dirty) and not self.cow and (self.pinned or _pinned()):
                     return None
                 if not self._anon_clean(a) or _ksm_merged():
                     return None
@@ -639,7 +666,8 @@ class BufferTracker:
             return True
         entries = _entries(a.page, a.count)
         flags = entries[7::8]
-        ok = _OK_ANON_COW if self.cow else _OK_ANON_WP if self.wp else _OK_ANON
+        ok = (_OK_ANON_COW if self.cow else _OK_ANON_WP if self.exact
+              else _OK_ANON_WP_PRESENT if self.wp else _OK_ANON)
         # a page not present when armed (zeros) is judged by its bytes (below), unless swapped out
         if flags.translate(None, ok) and any(f not in ok and (i not in a.absent or f & _SWAPPED)
                                              for i, f in enumerate(flags)):
@@ -687,9 +715,27 @@ def _present_runs(flags: bytes) -> list[tuple[int, int]]:
     return runs
 
 
-def _absent(flags: bytes) -> set[int]:
-    """Indexes of the pages whose pagemap byte 7 says not present (cost follows their number)."""
-    present, absent = flags.translate(_PRESENT_01), set()
+def _empty_pages(kinds: dict[tuple[int, int], object]) -> dict[tuple[int, int], set[int]]:
+    """For each anonymous range, the pages (index from its first whole page) with an empty entry:
+    neither present nor swapped out, so all zeros. Read *before* write-protecting: protection turns
+    an empty entry into a marker that the page map shows as a swap entry, like a page whose data
+    is in swap or being migrated (those are not zeros)."""
+    out = {}
+    fd = os.open(PAGEMAP, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for key, kind in kinds.items():
+            page, count = _whole_pages(key[0], key[0] + key[1])
+            if kind is _ANON and count:
+                out[key] = _absent(_entries(page, count, fd)[7::8], _IN_USE_01)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _absent(flags: bytes, table: bytes = _PRESENT_01) -> set[int]:
+    """Indexes of the pages whose pagemap byte 7 says not present (``table``: not present nor
+    swapped), cost following their number."""
+    present, absent = flags.translate(table), set()
     i = present.find(0)
     while i >= 0:
         j = present.find(1, i)
@@ -719,11 +765,12 @@ def _write_protect(protector: uffd.WriteProtect, kinds: dict[tuple[int, int], ob
                     kinds[key] = None
 
 
-def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int,
-              edges: tuple[bytes, bytes], words: bool = True, wp: bool = False) -> _Armed | None:
+def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int, edges: tuple[bytes, bytes],
+              words: bool = True, empty: set[int] | None = None) -> _Armed | None:
     """What arming keeps of [lo, hi); ``edges``: its bytes outside whole pages, taken earlier;
-    ``words``: keep the first word of every present page (rule 5); ``wp``: the range was just
-    write-protected (a page swapped out is then tracked: its entry keeps the bit until a write)."""
+    ``words``: keep the first word of every present page (rule 5); ``empty``: the range was just
+    write-protected, and these pages had empty entries before (the only ones known to be zeros; a
+    page swapped out is tracked too: its entry keeps the bit until a write)."""
     page, count = _whole_pages(lo, hi)
     entries = _entries(page, count, fd) if count else b""
     flags = entries[7::8]
@@ -731,9 +778,9 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int,
     absent: set[int] = set()
     zero_first: dict[int, tuple[int, int]] = {}
     if kind is _ANON:
-        if not wp and flags.translate(None, _NOT_SWAPPED):
+        if empty is None and flags.translate(None, _NOT_SWAPPED):
             return None  # swapped out: its content is not known without reading it back in
-        absent = _absent(flags)  # absent pages are not read (they read as zeros)
+        absent = _absent(flags) if empty is None else empty  # not read: they read as zeros
         for i, j in _present_runs(flags) if words else ():
             words = _first_words(page + i, j - i)
             firsts[8 * i:8 * j] = words

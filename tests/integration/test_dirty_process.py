@@ -232,7 +232,7 @@ def test_write_protection_forks_nothing_and_a_fork_hides_no_write(write_protecte
     arrays = {"a": np.arange(2 * MIB, dtype=np.float64), "b": np.arange(2 * MIB, dtype=np.float64)}
     tracker = in_process(arrays)
     assert tracker.wp and not tracker.cow and dirty.live_sentinel() is None
-    arrays["a"][0] = 7.0
+    arrays["a"][4096] = 7.0  # interior pages (the first and last are compared by their bytes)
     r, w = os.pipe()
     pid = os.fork()  # shares every page with a child that lives on: the bits stay the parent's
     if pid == 0:
@@ -240,17 +240,50 @@ def test_write_protection_forks_nothing_and_a_fork_hides_no_write(write_protecte
         os.read(r, 1)
         os._exit(0)
     try:
-        arrays["b"][-1] = 7.0  # a write to a page shared with the child: copied, and seen
+        arrays["b"][-4096] = 7.0  # a write to a page shared with the child: copied, and seen
         assert answers(tracker, arrays) == {"a": None, "b": None}
         c = {"c": np.arange(2 * MIB, dtype=np.float64)}
         again = in_process(c)
         assert answers(again, c) == {"c": "c"}  # a child alive at arm voids nothing here
-        c["c"][5] = 1.0
+        c["c"][4096] = 1.0
         assert answers(again, c) == {"c": None}
     finally:
         os.close(w)
         os.close(r)
         os.waitpid(pid, 0)
+
+
+def test_a_page_swapped_out_when_armed_is_not_taken_for_zeros(write_protected, in_process, monkeypatch):
+    """After write-protection, an empty entry (a marker) and a page whose data is in swap look the
+    same in the page map. A page that was in swap at arm and is dropped after (its entry empty
+    again, reading zeros) has changed: no answer. The page map is doctored, the bytes are real."""
+    arrays = {"a": np.arange(2 * MIB, dtype=np.float64) + 1}
+    a = arrays["a"]
+    victim = (a.ctypes.data // PAGE + 8)  # an interior page
+    real = dirty._entries
+    state = {"armed": False}
+
+    def entries(first_page: int, npages: int, fd=None) -> bytes:
+        out = bytearray(real(first_page, npages, fd))
+        i = victim - first_page
+        if 0 <= i < npages:
+            out[8 * i:8 * i + 8] = bytes(7) + bytes([0x00 if state["armed"] else 0x42])  # swapped | wp
+        return bytes(out)
+
+    monkeypatch.setattr(dirty, "_entries", entries)
+    tracker = in_process(arrays)
+    assert tracker.wp
+    state["armed"] = True  # now: dropped, reads as zeros
+    ctypes.memset(victim * PAGE, 0, PAGE)
+    assert answers(tracker, arrays) == {"a": None}
+
+
+def test_pinned_pages_void_page_bit_answers(write_protected, in_process, monkeypatch):
+    arrays = {"a": np.arange(2 * MIB, dtype=np.float64)}
+    tracker = in_process(arrays)
+    assert answers(tracker, arrays) == {"a": "a"}
+    monkeypatch.setattr(dirty, "_pinned", lambda: True)  # as with an RDMA region registered
+    assert answers(tracker, arrays) == {"a": None}
 
 
 def test_a_range_another_userfaultfd_holds_is_not_tracked(write_protected, in_process):

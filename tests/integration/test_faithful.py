@@ -281,24 +281,26 @@ def test_every_write_to_a_large_array_reaches_the_group(kernel):
     assert out == expected
 
 
-def test_a_write_between_cells_after_the_next_arming_reaches_the_group(cluster):
+def test_a_write_between_cells_after_the_next_arming_reaches_the_group(cluster, tmp_path):
     """A CPU kernel arms the next cell's write tracker once a cell's idle went out (write-protecting
     the pages, or forking a sentinel child). A background thread that writes a large array after
     that is seen by the next cell's capture: a follower that takes over has the write."""
     kernel = ReplicatedKernel(cluster, gpus=0)
     try:
-        ok(kernel, "import numpy as np, threading\nbig = np.zeros(1 << 18)  # 2 MiB: tracked")
-        ok(kernel, """from gpuhub.kernel import dirty
-armed, written = dirty._generation, threading.Event()
+        done = tmp_path / "written"
+        ok(kernel, "import numpy as np, threading, time\nbig = np.zeros(1 << 18)  # 2 MiB: tracked")
+        ok(kernel, f"""from gpuhub.kernel import dirty
+armed = dirty._generation
 def writer():
     while dirty._generation == armed:  # the next arming, after this cell's idle, has begun ...
-        written.wait(0.01)
+        time.sleep(0.01)
     with dirty._arm_lock:  # ... and is over: its signal is on
-        big[0] = 7
-    written.set()
+        big[4096] = 7  # an interior page
+    open({str(done)!r}, "w").close()
 threading.Thread(target=writer, daemon=True).start()""")
-        assert ok(kernel, "print(written.wait(30))")["stdout"].split() == ["True"]  # captures: big changed
+        wait_for(done.exists, 30, "the write after the next arming")  # no cell runs meanwhile
+        ok(kernel, "pass")  # captures the namespace: big changed since the arming
         kill_replica(kernel, executor_id(kernel))  # a follower's copy takes over
-        assert ok(kernel, "print(big[0])", timeout=60)["stdout"].split() == ["7.0"]
+        assert ok(kernel, "print(big[4096])", timeout=60)["stdout"].split() == ["7.0"]
     finally:
         kernel.close()
