@@ -66,7 +66,8 @@ only whether these bytes changed: shape, dtype and the rest travel in the pickle
    ones), a write needs the page back in and clears it, so an entry that still has the bit, present
    or not, was not written since; the pages known to be zeros are those whose entries were empty
    just before protecting (after, an empty one and one whose data is in swap or being migrated
-   look alike). Where ``mremap`` keeps the bit (rule 5), only present pages pass. The partial first
+   look alike). Where ``mremap`` keeps the bit (rule 5), only present pages pass (a buffer with
+   pages never touched, or swapped out when armed, is then hashed). The partial first
    and last page, which the range may share with other data (malloc's headers, heap neighbours,
    written for them), are judged by the range's own bytes on them instead, compared with a copy
    taken at arm, whatever the bits say. The copy is taken before the signals start (the
@@ -115,8 +116,9 @@ Writes by devices (DMA into pinned pages) set no bit: pinning for write breaks c
 mappings, which rule 2 excludes. A page pinned for write *before* soft-dirty bits were cleared or
 write-protection set, and written by a device after, would escape those two signals: where they
 are the only signal, anonymous memory gets no answer while the process holds pinned pages
-(``VmPin``, at arm or when asked; pins that Linux does not count there, such as an ``O_DIRECT``
-read in flight across the arming, remain a residual risk).
+(``VmPin``, at arm or when asked). Pins that Linux does not count there remain a residual risk:
+an ``O_DIRECT`` read in flight across the arming, memory registered with CUDA
+(``cudaHostRegister``) or VFIO in a process that keeps it between cells.
 """
 
 from __future__ import annotations
@@ -392,6 +394,7 @@ _OK_ANON_WP_PRESENT = bytes(b for b in range(256) if b & _UFFD_WP and b & _PRESE
 _OK_FILE = bytes(b for b in range(256) if b & _FILE or not b & (_PRESENT | _SWAPPED))
 _PRESENT_01 = bytes(1 if b & _PRESENT else 0 for b in range(256))  # for bytes.translate
 _IN_USE_01 = bytes(1 if b & (_PRESENT | _SWAPPED) else 0 for b in range(256))
+_NOT_SWAPPED_01 = bytes(0 if b & _SWAPPED else 1 for b in range(256))
 _NOT_SWAPPED = bytes(b for b in range(256) if not b & _SWAPPED)
 
 _generation = 0  # every arm in this process adds one: it voids every tracker armed before
@@ -752,17 +755,28 @@ def _whole_pages(lo: int, hi: int) -> tuple[int, int]:
 
 
 def _write_protect(protector: uffd.WriteProtect, kinds: dict[tuple[int, int], object]) -> None:
-    """Write-protect the whole pages of every anonymous range; one that cannot be (another
-    userfaultfd holds it, a mapping Linux will not register) is not tracked: its kind becomes None."""
-    for key, kind in kinds.items():
-        if kind is _ANON:
-            page, count = _whole_pages(key[0], key[0] + key[1])
-            if count:
-                try:
-                    protector.protect(page * PAGE, (page + count) * PAGE)
-                except OSError as exc:
-                    log.debug("cannot write-protect %#x+%d: %s", key[0], key[1], exc)
-                    kinds[key] = None
+    """Write-protect the whole pages of every anonymous range, each page once: ranges that overlap
+    (views of one array) are merged first, since protecting a page again would hide a write made
+    to it since the first time. A range that cannot be protected (another userfaultfd holds it, a
+    mapping Linux will not register) is not tracked: its kind becomes None."""
+    spans: list[tuple[int, int, list[tuple[int, int]]]] = []  # (first page, end page, keys)
+    pages = {k: _whole_pages(k[0], k[0] + k[1]) for k, kind in kinds.items() if kind is _ANON}
+    for key in sorted(pages, key=pages.__getitem__):
+        page, count = pages[key]
+        if not count:
+            continue
+        if spans and page < spans[-1][1]:  # overlaps
+            first, end, keys = spans[-1]
+            spans[-1] = (first, max(end, page + count), [*keys, key])
+        else:
+            spans.append((page, page + count, [key]))
+    for first, end, keys in spans:
+        try:
+            protector.protect(first * PAGE, end * PAGE)
+        except OSError as exc:
+            log.debug("cannot write-protect pages %#x..%#x: %s", first * PAGE, end * PAGE, exc)
+            for key in keys:
+                kinds[key] = None
 
 
 def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int, edges: tuple[bytes, bytes],
@@ -778,8 +792,11 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int, edges: tup
     absent: set[int] = set()
     zero_first: dict[int, tuple[int, int]] = {}
     if kind is _ANON:
-        if empty is None and flags.translate(None, _NOT_SWAPPED):
-            return None  # swapped out: its content is not known without reading it back in
+        if flags.translate(None, _NOT_SWAPPED) and (
+                empty is None or (words and not _absent(flags, _NOT_SWAPPED_01) <= empty)):
+            # swapped out: its content is not known without reading it back in (under
+            # write-protection, fine where its bit alone is trusted: exact mode, no words)
+            return None
         absent = _absent(flags) if empty is None else empty  # not read: they read as zeros
         for i, j in _present_runs(flags) if words else ():
             words = _first_words(page + i, j - i)

@@ -278,6 +278,24 @@ def test_a_page_swapped_out_when_armed_is_not_taken_for_zeros(write_protected, i
     assert answers(tracker, arrays) == {"a": None}
 
 
+def test_overlapping_ranges_are_protected_once(write_protected, in_process, monkeypatch):
+    """A view and its base: protecting the shared pages a second time would hide a write that
+    another thread made between the two (the first range would read as unwritten)."""
+    base = np.arange(4 * MIB // 8, dtype=np.float64)
+    arrays = {"base": base, "tail": base[base.size // 2:]}
+    real, calls = uffd.WriteProtect.protect, []
+
+    def protect(self, lo: int, hi: int) -> None:
+        real(self, lo, hi)
+        calls.append((lo, hi))
+        base[-4096] = -1.0  # another thread's write just after it: an interior page of both ranges
+
+    monkeypatch.setattr(uffd.WriteProtect, "protect", protect)
+    tracker = in_process(arrays)
+    assert len(calls) == 1
+    assert answers(tracker, arrays) == {"base": None, "tail": None}
+
+
 def test_pinned_pages_void_page_bit_answers(write_protected, in_process, monkeypatch):
     arrays = {"a": np.arange(2 * MIB, dtype=np.float64)}
     tracker = in_process(arrays)
