@@ -1,7 +1,8 @@
 """Dirty-page tracking of large buffers (gpuhub/kernel/dirty.py) without a process: the soft-dirty
 probe, private mappings of blob store files (rule 7), the API; and huge pages for large values
-(gpuhub/kernel/hugepages.py). Anonymous memory needs a fork (the copy-on-write child, or the
-in-process sentinel where soft-dirty is missing): tests/integration/test_dirty_process.py.
+(gpuhub/kernel/hugepages.py). Anonymous memory (userfaultfd write-protection, and the fallbacks
+that fork: the copy-on-write child, the in-process sentinel) is tested in
+tests/integration/test_dirty_process.py; userfaultfd itself in tests/unit/test_uffd.py.
 A wrong digest loses data."""
 
 from __future__ import annotations
