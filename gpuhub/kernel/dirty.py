@@ -549,8 +549,8 @@ class BufferTracker:
         ``mode``: ``"forked-child"`` (this process was forked just now, e.g. a GPU cell's child:
         userfaultfd write-protection where it works, else copy-on-write bits) or ``"in-process"``
         (the long-lived kernel: userfaultfd write-protection, else soft-dirty bits, else a sentinel
-        child, see :class:`_Sentinel`; with ``sentinel`` False, only soft-dirty). Arming voids every tracker armed
-        before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
+        child, see :class:`_Sentinel`; with ``sentinel`` False, only soft-dirty). Arming voids
+        every tracker armed before in this process (and ends its sentinel). Never raises for a buffer it cannot track:
         :meth:`digest_if_unchanged` then answers None for it."""
         global _generation, _sentinel
         if mode not in MODES:
@@ -605,7 +605,7 @@ class BufferTracker:
                     if kind is None or (kind is _ANON and not (sd or cow or wp)):
                         continue
                     a = _snapshot(key[0], key[0] + key[1], d, kind, fd, edges[key], words=not exact,
-                                  empty=empty.get(key) if wp else None)
+                                  empty=empty.get(key))
                     if a is not None:
                         armed[key] = a
             finally:
@@ -736,8 +736,8 @@ def _empty_pages(kinds: dict[tuple[int, int], object]) -> dict[tuple[int, int], 
 
 
 def _absent(flags: bytes, table: bytes = _PRESENT_01) -> set[int]:
-    """Indexes of the pages whose pagemap byte 7 says not present (``table``: not present nor
-    swapped), cost following their number."""
+    """Indexes of the pages whose pagemap byte 7 ``table`` maps to 0 (by default: not present),
+    cost following their number."""
     present, absent = flags.translate(table), set()
     i = present.find(0)
     while i >= 0:
@@ -799,9 +799,9 @@ def _snapshot(lo: int, hi: int, d: str | None, kind: object, fd: int, edges: tup
             return None
         absent = _absent(flags) if empty is None else empty  # not read: they read as zeros
         for i, j in _present_runs(flags) if words else ():
-            words = _first_words(page + i, j - i)
-            firsts[8 * i:8 * j] = words
-            for z in _zero_words(words):
+            run = _first_words(page + i, j - i)
+            firsts[8 * i:8 * j] = run
+            for z in _zero_words(run):
                 w = _witness(page + i + z)
                 zero_first[i + z] = (w, ctypes.c_uint64.from_address((page + i + z) * PAGE + 8 * w).value
                                      if w >= 0 else 0)

@@ -71,8 +71,6 @@ _UFFDIO_REGISTER = _iowr(0x00, 32)  # struct uffdio_register {start, len, mode, 
 _UFFDIO_WRITEPROTECT = _iowr(0x06, 24)  # struct uffdio_writeprotect {start, len, mode}
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
-PAGEMAP_WP_BIT = 57
-"""The pagemap entry bit that says "write-protected by userfaultfd" (byte 7, value 0x02)."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -117,6 +115,7 @@ class WriteProtect:
 
 
 def _wp_bit(fd: int, addr: int) -> bool:
+    """Pagemap bit 57 of the page at ``addr`` (byte 7, 0x02): still write-protected."""
     entry = os.pread(fd, 8, addr // PAGE * 8)
     return len(entry) == 8 and bool(entry[7] & 0x02)
 

@@ -224,8 +224,8 @@ def test_freed_and_reallocated_at_the_same_address(in_process):
 
 @pytest.fixture
 def write_protected():
-    if dirty.SOFT_DIRTY or uffd.write_protect() is None:
-        pytest.skip("in-process trackers use soft-dirty, or userfaultfd does not work here")
+    if uffd.write_protect() is None:
+        pytest.skip("userfaultfd write-protection does not work here")
 
 
 def test_write_protection_forks_nothing_and_a_fork_hides_no_write(write_protected, in_process):
