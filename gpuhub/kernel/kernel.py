@@ -717,7 +717,7 @@ class GpuhubKernel(IPythonKernel):
                         self._phases.update(_child_phases(forking, handed, msg[2], time.monotonic()))
                     else:
                         self._relay(msg, proc.writer)
-                if proc.reader.eof and not proc.reader.pending:
+                if proc.reader.eof:  # it ended; a frame it had begun (killed while sending) is lost
                     break
         finally:
             self._child_pid = None

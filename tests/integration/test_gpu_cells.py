@@ -362,6 +362,28 @@ def test_killed_cell_process_reports_error_and_keeps_namespace(gpu_kernel):
     assert out["stdout"].strip() == "1"
 
 
+# A frame begun on the cell's pipe, then the process killed: found on the podman cluster, where the
+# kernel unit's memory limit killed a child sending back a new 1 GiB array; the replica then spun
+# on the half frame at 100 % CPU and the notebook never got a reply.
+HALF_FRAME = {
+    "in its pickle": "pipe.HEADER.pack(1000, 0) + b'x' * 10",
+    "in an out-of-band buffer": "pipe.HEADER.pack(len(data), 1) + pipe.SIZE.pack(1 << 20) + data + b'x' * 10",
+}
+
+
+@pytest.mark.parametrize("where", HALF_FRAME)
+def test_a_cell_process_killed_while_sending_a_frame_reports_error_and_keeps_namespace(gpu_kernel, where):
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    reply, _ = run(kc, "import os, pickle, signal, sys\nfrom gpuhub.kernel import pipe\nx = 2\n"
+                       "data = pickle.dumps(('stream', 'stdout', 'lost'), protocol=5)\n"
+                       f"os.write(sys.stdout.chan.fd, {HALF_FRAME[where]})\n"
+                       "os.kill(os.getpid(), signal.SIGKILL)")
+    assert reply["status"] == "error" and reply["ename"] == "CellProcessDied", reply
+    _, out = run(kc, "print(x)")
+    assert out["stdout"].strip() == "1"
+
+
 def test_a_cell_whose_variables_cannot_be_handed_back_says_so_instead_of_ok(gpu_kernel):
     """The cell ran in its child, but gpuhub failed to capture its namespace (here: a value whose
     pickling raises a BaseException, which no per-name fallback catches). An "ok" would have lost
