@@ -26,7 +26,7 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import dirty, hugepages
+from gpuhub.kernel import dirty, hugepages, memory_limit
 from gpuhub.kernel import image as images
 from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess
 from gpuhub.kernel.moves import MoveRequests
@@ -59,10 +59,18 @@ def _child_phases(forking: float | None, handed: float, marks: dict[str, float],
 SPARE_MAX_IDLE_S = 600.0
 
 
-def _describe_status(status: int) -> str:
+def _describe_status(status: int, oom_kills_before: int | None = None) -> str:
+    """How a cell's process ended; ``oom_kills_before``: the memory limit's kills counted when its
+    cell began (:mod:`gpuhub.kernel.memory_limit`), so that a kill by the limit is named as such."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return f"was killed by signal {sig} ({signal.Signals(sig).name})"
+        said = f"was killed by signal {sig} ({signal.Signals(sig).name})"
+        killed_by_limit = oom_kills_before is not None and (memory_limit.oom_kills() or 0) > oom_kills_before
+        if sig == signal.SIGKILL and killed_by_limit:
+            limit = memory_limit.limit_bytes()
+            said += (": out of memory, this kernel's processes reached their limit"
+                     + (f" of {memory_limit.describe(limit)}" if limit else ""))
+        return said
     if os.WEXITSTATUS(status) == CHILD_FAILED:
         return "failed in gpuhub's code"
     return f"exited with status {os.WEXITSTATUS(status)}"
@@ -675,6 +683,7 @@ class GpuhubKernel(IPythonKernel):
               "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
               "execution_count": number, "stored": rep.store.digests(),
               "request": request, "request_ident": self._parent_ident["shell"]}
+        oom_kills_before = memory_limit.oom_kills()
         try:
             started = proc is not None and proc.start(go)
             if not started:
@@ -736,9 +745,10 @@ class GpuhubKernel(IPythonKernel):
             # The child died mid-cell, or it ran but its variables never came back (say so, rather
             # than an "ok" whose changes are gone): the namespace stays as it was before this cell.
             if done is None:
-                ename, what = "CellProcessDied", f"the cell's process {_describe_status(status)}"
+                ename, what = "CellProcessDied", f"the cell's process {_describe_status(status, oom_kills_before)}"
             else:
-                ename, what = "CellVariablesLost", (f"the cell ran, but its process {_describe_status(status)} "
+                ename, what = "CellVariablesLost", (f"the cell ran, but its process "
+                                                    f"{_describe_status(status, oom_kills_before)} "
                                                     "before it handed back its variables (the reason is in "
                                                     "the kernel's log)")
             reply = self._error_reply(ename, f"{what}; variables are as they were before this cell", count=False)

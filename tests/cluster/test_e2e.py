@@ -337,6 +337,19 @@ def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):
     assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU not released after the cell"
 
 
+def test_a_gpu_cell_past_the_kernels_memory_limit_is_told_it_ran_out_of_memory(cluster, alice_kernel):
+    """The kernel unit's MemoryMax= (2G on the test cluster) kills a GPU cell's process that goes past
+    it: the user reads that it ran out of memory and what the limit is, not only a signal number,
+    and the namespace is as it was."""
+    _, channel = alice_kernel
+    channel.run("kept = 1")
+    out = channel.collect(channel.send_execute("lost = b'x' * (3 << 30)"))
+    reply = out["reply"]
+    assert reply["status"] == "error" and reply["ename"] == "CellProcessDied", out
+    assert "out of memory, this kernel's processes reached their limit of 2.0 GiB" in reply["evalue"], reply
+    assert channel.run("print(kept, 'lost' in dir())")["stdout"].split() == ["1", "False"]
+
+
 def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
     _kid, channel = alice_kernel
     host = channel.run(WHERE)["stdout"].split()[0]

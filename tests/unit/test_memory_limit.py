@@ -1,0 +1,49 @@
+"""gpuhub.kernel.memory_limit: reading a process's memory limit and its kills in both cgroup layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuhub.kernel import memory_limit
+
+UNIT = "/system.slice/gpuhub-kernel-k-r0.service"
+
+
+def cgroup(root: Path, where: str, files: dict[str, str]) -> None:
+    d = root / where / UNIT.lstrip("/")
+    d.mkdir(parents=True)
+    for name, text in files.items():
+        (d / name).write_text(text)
+
+
+def test_cgroup_v2_as_on_debian_12(tmp_path):
+    cgroup(tmp_path, "", {"memory.max": "2147483648\n",
+                          "memory.events": "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\noom_group_kill 0\n"})
+    proc = f"0::{UNIT}\n"
+    assert memory_limit.limit_bytes(tmp_path, proc) == 2 << 30
+    assert memory_limit.oom_kills(tmp_path, proc) == 1
+
+
+def test_cgroup_v1_memory_controller_of_a_hybrid_host_wins_over_the_unified_tree(tmp_path):
+    cgroup(tmp_path, "memory", {"memory.limit_in_bytes": "536870912\n",
+                                "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"})
+    cgroup(tmp_path, "unified", {})  # the unified tree of a hybrid host has no memory controller
+    proc = f"12:pids:{UNIT}\n4:memory:{UNIT}\n1:name=systemd:{UNIT}\n0::{UNIT}\n"
+    assert memory_limit.limit_bytes(tmp_path, proc) == 512 << 20
+    assert memory_limit.oom_kills(tmp_path, proc) == 3
+    assert memory_limit.describe(512 << 20) == "512 MiB" and memory_limit.describe(2 << 30) == "2.0 GiB"
+
+
+def test_no_limit_and_nothing_readable_answer_none(tmp_path):
+    cgroup(tmp_path, "", {"memory.max": "max\n"})
+    assert memory_limit.limit_bytes(tmp_path, f"0::{UNIT}\n") is None
+    assert memory_limit.oom_kills(tmp_path, f"0::{UNIT}\n") is None  # no memory.events
+    assert memory_limit.limit_bytes(tmp_path / "nowhere", f"0::{UNIT}\n") is None
+    assert memory_limit.oom_kills(tmp_path, "garbage") is None
+
+
+def test_this_process_can_be_asked():
+    kills = memory_limit.oom_kills()
+    assert kills is None or kills >= 0
+    limit = memory_limit.limit_bytes()
+    assert limit is None or limit > 0
