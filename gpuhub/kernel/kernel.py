@@ -122,6 +122,7 @@ class GpuhubKernel(IPythonKernel):
         # cell's tracker, ended then too: neither costs the reply's time (_between_cells).
         self._next_tracker: tuple[dict, object, object] | None = None
         self._spent_tracker = None
+        self._written: set[tuple[int, int]] = set()  # buffers the last cell wrote: hashed, not tracked
         self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
@@ -482,7 +483,8 @@ class GpuhubKernel(IPythonKernel):
         if self.gpus == 0:
             # Large buffers no write touched keep their digest (gpuhub/kernel/dirty.py): not hashed again.
             tracker, known_digest = self._tracker_for_cell()
-            rep.resident = {}  # the cell may write any buffer of the namespace
+            before = images.buffer_digests(rep.resident)
+            rep.resident = {}  # the cell may write any buffer of the namespace (or free it)
             self._running_here = True
             try:
                 reply = await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
@@ -495,6 +497,7 @@ class GpuhubKernel(IPythonKernel):
                 self._spent_tracker = tracker
             self._warn_unreplicable(cap.failed)
             entry = rep.store_image(cap.stream, cap.names, cap.sized_buffers(), live=True)
+            self._written = images.written(before, rep.resident)
         else:
             self._allow_stdin = allow_stdin
             reply, sent = self._run_child(shell, code, silent, store_history, user_expressions or {}, grant, cell)
@@ -546,7 +549,8 @@ class GpuhubKernel(IPythonKernel):
     def _arm_tracker(self):
         """A write tracker over the buffers of the last image this replica holds, and its known_digest."""
         rep = self.replica
-        return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages")
+        return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages",
+                            hash_instead=self._written)
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)

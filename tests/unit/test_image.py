@@ -253,3 +253,32 @@ def test_the_address_of_a_read_only_buffer_needs_no_numpy(monkeypatch):
     expected = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
     monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError now
     assert images.address_of(view) == expected and images.address_of(view[10:]) == expected + 10
+
+
+def test_written_finds_the_buffers_a_cell_changed_in_place():
+    kept, changed, replaced = np.ones(300_000), np.ones(300_000), np.ones(300_000)
+    before = images.buffer_digests({"k": memoryview(kept), "c": memoryview(changed), "r": memoryview(replaced)})
+    assert before == {(images.address_of(memoryview(a)), a.nbytes): d
+                      for a, d in ((kept, "k"), (changed, "c"), (replaced, "r"))}
+    new_value = np.zeros(300_000)  # a new array (`x = x + 1`): nothing to learn about it yet
+    after = {"k": memoryview(kept), "c2": memoryview(changed), "n": memoryview(new_value)}
+    assert images.written(before, after) == {(images.address_of(after["c2"]), changed.nbytes)}
+    assert images.written({}, after) == set() and images.written(before, {}) == set()
+
+
+def test_a_buffer_to_hash_instead_is_not_tracked_and_its_digest_not_vouched_for():
+    hot, cold = np.ones(300_000), np.ones(300_000) * 2
+    resident = {"h" * 64: memoryview(hot), "c" * 64: memoryview(cold)}
+    hot_key = (images.address_of(memoryview(hot)), hot.nbytes)
+    tracker, known_digest = images.track(resident, mode="in-process", sentinel=True, hash_instead={hot_key})
+    try:
+        assert hot_key not in tracker.armed
+        assert known_digest(memoryview(hot)) is None  # the capture hashes it
+        assert known_digest(memoryview(cold)) == "c" * 64  # the other one is tracked as before
+    finally:
+        tracker.close()
+    tracker, _ = images.track(resident, mode="in-process", sentinel=True)
+    try:
+        assert hot_key in tracker.armed and len(tracker) == 2
+    finally:
+        tracker.close()
