@@ -46,3 +46,16 @@ def test_the_notebook_host_a_server_went_to_survives_a_hub_restart():
     assert again.state_gethost() == "10.0.0.2"
     again.clear_state()
     assert again.state_gethost() == "10.0.0.1"  # nothing running: the default host
+
+
+def test_the_servers_websocket_class_is_importable_as_named():
+    """A typo in the dotted name would stop every user's server at start."""
+    from importlib import import_module
+
+    from jupyter_server.services.kernels.connection.base import BaseKernelWebsocketConnection
+
+    from gpuhub.hub.spawner import SERVER_ARGS
+
+    (arg,) = [a for a in SERVER_ARGS if a.startswith("--ServerApp.kernel_websocket_connection_class=")]
+    module, _, name = arg.split("=", 1)[1].rpartition(".")
+    assert issubclass(getattr(import_module(module), name), BaseKernelWebsocketConnection)
