@@ -202,6 +202,10 @@ class SystemdRunner:
             "NoNewPrivileges=yes",
             "PrivateTmp=yes",
             "KillMode=control-group",
+            # The OOM killer ending one process of the unit (a GPU cell's process, a plain kernel in
+            # a server) must not stop the rest (systemd's default, OOMPolicy=stop, on cgroup v2): the
+            # replica or the server reports that death itself (gpuhub/kernel/memory_limit.py).
+            "OOMPolicy=continue",
             "TimeoutStopSec=15",
             f"Description=gpuhub {spec.kind} for {spec.user}",
             *USER_UNIT_HARDENING,

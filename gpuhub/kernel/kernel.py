@@ -59,18 +59,14 @@ def _child_phases(forking: float | None, handed: float, marks: dict[str, float],
 SPARE_MAX_IDLE_S = 600.0
 
 
-def _describe_status(status: int, oom_kills_before: int | None = None) -> str:
-    """How a cell's process ended; ``oom_kills_before``: the memory limit's kills counted when its
-    cell began (:mod:`gpuhub.kernel.memory_limit`), so that a kill by the limit is named as such."""
+def _describe_status(status: int, oom_before: memory_limit.OomCounts | None = None) -> str:
+    """How a cell's process ended; ``oom_before``: its cgroup's out-of-memory counters when its
+    cell began (:mod:`gpuhub.kernel.memory_limit`), so that a kill by the OOM killer says so."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         said = f"was killed by signal {sig} ({signal.Signals(sig).name})"
-        killed_by_limit = oom_kills_before is not None and (memory_limit.oom_kills() or 0) > oom_kills_before
-        if sig == signal.SIGKILL and killed_by_limit:
-            limit = memory_limit.limit_bytes()
-            said += (": out of memory, this kernel's processes reached their limit"
-                     + (f" of {memory_limit.describe(limit)}" if limit else ""))
-        return said
+        why = memory_limit.killed_by(oom_before, memory_limit.oom_counts()) if sig == signal.SIGKILL else ""
+        return f"{said}: {why}" if why else said
     if os.WEXITSTATUS(status) == CHILD_FAILED:
         return "failed in gpuhub's code"
     return f"exited with status {os.WEXITSTATUS(status)}"
@@ -122,7 +118,10 @@ class GpuhubKernel(IPythonKernel):
         # cell's tracker, ended then too: neither costs the reply's time (_between_cells).
         self._next_tracker: tuple[dict, object, object] | None = None
         self._spent_tracker = None
-        self._written: set[tuple[int, int]] = set()  # buffers the last cell wrote: hashed, not tracked
+        # buffers this replica's last cell wrote in place (hashed, not tracked, at the next), and the
+        # id of the resident map they were found in: a replica that loaded another image since holds
+        # others (an id, not the map: that would keep the old buffers alive; a reused id only costs a hash)
+        self._written: tuple[int, set[tuple[int, int]]] = (0, set())
         self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
@@ -497,7 +496,7 @@ class GpuhubKernel(IPythonKernel):
                 self._spent_tracker = tracker
             self._warn_unreplicable(cap.failed)
             entry = rep.store_image(cap.stream, cap.names, cap.sized_buffers(), live=True)
-            self._written = images.written(before, rep.resident)
+            self._written = (id(rep.resident), images.written(before, rep.resident))
         else:
             self._allow_stdin = allow_stdin
             reply, sent = self._run_child(shell, code, silent, store_history, user_expressions or {}, grant, cell)
@@ -549,8 +548,9 @@ class GpuhubKernel(IPythonKernel):
     def _arm_tracker(self):
         """A write tracker over the buffers of the last image this replica holds, and its known_digest."""
         rep = self.replica
+        resident, written = self._written
         return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages",
-                            hash_instead=self._written)
+                            hash_instead=written if resident == id(rep.resident) else ())
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)
@@ -687,7 +687,7 @@ class GpuhubKernel(IPythonKernel):
               "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
               "execution_count": number, "stored": rep.store.digests(),
               "request": request, "request_ident": self._parent_ident["shell"]}
-        oom_kills_before = memory_limit.oom_kills()
+        oom_before = memory_limit.oom_counts()
         try:
             started = proc is not None and proc.start(go)
             if not started:
@@ -748,13 +748,12 @@ class GpuhubKernel(IPythonKernel):
         if done is None or sent is None:
             # The child died mid-cell, or it ran but its variables never came back (say so, rather
             # than an "ok" whose changes are gone): the namespace stays as it was before this cell.
+            ended = _describe_status(status, oom_before)
             if done is None:
-                ename, what = "CellProcessDied", f"the cell's process {_describe_status(status, oom_kills_before)}"
+                ename, what = "CellProcessDied", f"the cell's process {ended}"
             else:
-                ename, what = "CellVariablesLost", (f"the cell ran, but its process "
-                                                    f"{_describe_status(status, oom_kills_before)} "
-                                                    "before it handed back its variables (the reason is in "
-                                                    "the kernel's log)")
+                ename, what = "CellVariablesLost", ("the cell ran, but its process ended before it handed back "
+                                                    f"its variables: it {ended} (more in the kernel's log)")
             reply = self._error_reply(ename, f"{what}; variables are as they were before this cell", count=False)
             reply["execution_count"] = number  # counted above, as IPython counts a failed cell
             return reply, None

@@ -1,6 +1,7 @@
-"""This process's memory limit (its systemd unit's ``MemoryMax=``, a cgroup's limit) and how many
-processes that limit has killed: a GPU cell's process killed by SIGKILL is then reported to the
-user as out of memory, with the limit, rather than as a bare signal.
+"""This process's memory limit (its systemd unit's ``MemoryMax=``, a cgroup's limit) and the
+out-of-memory killer's kills in its cgroup: a GPU cell's process killed by SIGKILL is then reported
+to the user as out of memory (with the limit, when it was this limit that was reached) rather than
+as a bare signal.
 
 Both cgroup layouts are read: the unified one (cgroup v2, Debian 12's default: ``memory.max``,
 ``memory.events``) and the memory controller of cgroup v1 (hybrid hosts: ``memory.limit_in_bytes``,
@@ -9,6 +10,7 @@ Both cgroup layouts are read: the unified one (cgroup v2, Debian 12's default: `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -28,37 +30,66 @@ def _dirs(proc_cgroup: str, root: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def _read(name_v1: str, name_v2: str, root: Path, proc_cgroup: str | None) -> tuple[str, str] | None:
+def _read(name_v1: str, name_v2: str, root: Path, proc_cgroup: str | None) -> tuple[str, Path, str] | None:
+    """(layout, directory, text) of the first of this process's memory cgroup files found."""
     try:
         text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
     except OSError:
         return None
     for layout, d in _dirs(text, root):
         try:
-            return layout, (d / (name_v1 if layout == "v1" else name_v2)).read_text()
+            return layout, d, (d / (name_v1 if layout == "v1" else name_v2)).read_text()
         except OSError:
             continue
     return None
 
 
-def oom_kills(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> int | None:
-    """How many processes of this cgroup its memory limit has killed so far, or None."""
+@dataclass(frozen=True)
+class OomCounts:
+    """Two counters of this process's memory cgroup: ``limit_hits`` grows when the cgroup's own
+    limit was reached (v2 ``oom``; v1 ``memory.failcnt``, which also counts hits that reclaim
+    resolved), ``kills`` when Linux's out-of-memory killer ended one of its processes, whatever ran
+    out: this limit, a parent slice's, or the whole server's memory (``oom_kill``)."""
+
+    limit_hits: int
+    kills: int
+
+
+def oom_counts(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> OomCounts | None:
+    """This process's cgroup's :class:`OomCounts` now, or None where they cannot be read."""
     found = _read("memory.oom_control", "memory.events", root, proc_cgroup)
     if found is None:
         return None
-    for line in found[1].splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
-            return int(value)
-    return None
+    layout, d, text = found
+    fields = dict(line.partition(" ")[::2] for line in text.splitlines())
+    kills = fields.get("oom_kill", "")
+    try:
+        hits = fields.get("oom", "") if layout == "v2" else (d / "memory.failcnt").read_text()
+    except OSError:
+        return None
+    if not (hits.strip().isdigit() and kills.strip().isdigit()):
+        return None
+    return OomCounts(int(hits), int(kills))
+
+
+def killed_by(before: OomCounts | None, after: OomCounts | None) -> str:
+    """Why a process of this cgroup that got SIGKILL between two readings died, as the end of a
+    sentence ("" when the counters do not say it was the out-of-memory killer)."""
+    if before is None or after is None or after.kills <= before.kills:
+        return ""
+    if after.limit_hits > before.limit_hits:
+        limit = limit_bytes()
+        return ("out of memory, this kernel's processes reached their limit"
+                + (f" of {describe(limit)}" if limit else ""))
+    return "out of memory: the server ran out of memory (not this kernel's limit)"
 
 
 def limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> int | None:
     """This cgroup's memory limit in bytes, or None (no limit, or unknown)."""
     found = _read("memory.limit_in_bytes", "memory.max", root, proc_cgroup)
-    if found is None or not found[1].strip().isdigit():
+    if found is None or not found[2].strip().isdigit():
         return None  # "max": no limit
-    n = int(found[1])
+    n = int(found[2])
     return None if n >= NO_LIMIT_V1 else n
 
 

@@ -341,13 +341,27 @@ def test_a_gpu_cell_past_the_kernels_memory_limit_is_told_it_ran_out_of_memory(c
     """The kernel unit's MemoryMax= (2G on the test cluster) kills a GPU cell's process that goes past
     it: the user reads that it ran out of memory and what the limit is, not only a signal number,
     and the namespace is as it was."""
-    _, channel = alice_kernel
+    kid, channel = alice_kernel
     channel.run("kept = 1")
+    units = kernel_units(cluster, kid)
+    assert len(units) == 3 and all(u["OOMPolicy"] == "continue" for u in units.values()), units
     out = channel.collect(channel.send_execute("lost = b'x' * (3 << 30)"))
     reply = out["reply"]
     assert reply["status"] == "error" and reply["ename"] == "CellProcessDied", out
     assert "out of memory, this kernel's processes reached their limit of 2.0 GiB" in reply["evalue"], reply
     assert channel.run("print(kept, 'lost' in dir())")["stdout"].split() == ["1", "False"]
+    assert kernel_units(cluster, kid) == units  # no replica was stopped or restarted (OOMPolicy=continue)
+
+
+def kernel_units(cluster, kernel_id: str) -> dict[tuple[str, str], dict[str, str]]:
+    """(node, unit) → OOMPolicy, NRestarts and MainPID of each of a kernel's replica units."""
+    found = {}
+    for node in cluster.groups["gpu_nodes"]:
+        listed = cluster.exec(node, "systemctl", "list-units", "--plain", "--no-legend", f"gpuhub-kernel-{kernel_id}-*")
+        for unit in (line.split()[0] for line in listed.splitlines() if line.strip()):
+            shown = cluster.exec(node, "systemctl", "show", "-p", "OOMPolicy", "-p", "NRestarts", "-p", "MainPID", unit)
+            found[(node, unit)] = dict(line.split("=", 1) for line in shown.split())
+    return found
 
 
 def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
