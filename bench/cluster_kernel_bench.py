@@ -10,12 +10,13 @@ both. The same figures on loopback processes are ``bench.replicated_bench``.
 - K5t: ``pass``, CPU kernel, 1 GiB ``big`` in both, 0.2 s before each cell.
 - K3: ``big += 1`` (1 GiB), CPU kernel, 3 s before each cell; GB/s = 2**30 / (extra over plain).
 
-Run on a cluster whose kernels have numpy::
+Run on a cluster whose kernels have numpy and room for a new 1 GiB array in a GPU cell (held twice
+while handed back: the test cluster's 2 GiB kernel limit is too small)::
 
     echo numpy > /tmp/extra.txt
     GPUHUB_GPU_NODES=3 scripts/cluster.sh up kb
-    GPUHUB_GPU_NODES=3 GPUHUB_ANSIBLE_ARGS="-e gpuhub_python_extra_requirements=/tmp/extra.txt" \\
-        scripts/cluster.sh deploy kb
+    GPUHUB_GPU_NODES=3 GPUHUB_ANSIBLE_ARGS="-e gpuhub_python_extra_requirements=/tmp/extra.txt \\
+        -e gpuhub_agent_kernel_memory_max=8G" scripts/cluster.sh deploy kb
     GPUHUB_CLUSTER=kb .venv/bin/python -m bench cluster-kernel
 
 GPUHUB_BENCH_CELLS sets the cells of K1 and K2 per kernel (default 100).
@@ -105,20 +106,28 @@ class Kernels:
     its own profile and ``python3``), each with its websocket; shut down on leaving."""
 
     def __init__(self, user, profile: str):
-        self.user = user
+        self.user, self.ids, self.channels = user, {}, {}
         user.start_server(profile)
-        self.ids = {"plain": user.start_kernel("python3"), "gpuhub": user.start_kernel(f"gpuhub-{profile}")}
-        self.channels = {name: user.kernel(kid) for name, kid in self.ids.items()}
+        try:
+            for name, spec in (("plain", "python3"), ("gpuhub", f"gpuhub-{profile}")):
+                self.ids[name] = user.start_kernel(spec)
+                self.channels[name] = user.kernel(self.ids[name])
+        except BaseException:
+            self.__exit__()
+            raise
         progress(f"server with profile {profile}, kernels {self.ids}")
 
     def __enter__(self) -> dict:
         return self.channels
 
     def __exit__(self, *exc) -> None:
-        for name, ch in self.channels.items():
-            ch.close()
-            self.user.api("DELETE", f"/user/{self.user.name}/api/kernels/{self.ids[name]}")
-        self.user.stop_server()  # its replicas give their memory back before the next profile's
+        try:
+            for ch in self.channels.values():
+                ch.close()
+            for kid in self.ids.values():
+                self.user.api("DELETE", f"/user/{self.user.name}/api/kernels/{kid}")
+        finally:
+            self.user.stop_server()  # its replicas give their memory back before the next profile's
 
 
 def measure(user) -> dict[str, dict]:

@@ -27,18 +27,24 @@ class LocalJupyterServer:
 
     def __init__(self, root: Path, connection_class: str = "", env: dict[str, str] | None = None) -> None:
         self.token = secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+        self.ws = None
+        self.log = root / "jupyter-server.log"  # a file, not a pipe nobody reads while the server runs
         self.ports = reserve_block()  # held while the server lives: no other dev process takes the port
-        port = self.ports.take(1)[0]
-        argv = [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ServerApp.port_retries=0",
-                "--ip=127.0.0.1", "--no-browser", "--allow-root", f"--ServerApp.root_dir={root}"]
-        if connection_class:
-            argv.append(f"--ServerApp.kernel_websocket_connection_class={connection_class}")
-        # the token through the environment, never on a command line
-        self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {}), "JUPYTER_TOKEN": self.token},
-                                     cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.base = f"http://127.0.0.1:{port}"
-        self.headers = {"Authorization": f"token {self.token}"}
         try:
+            port = self.ports.take(1)[0]
+            argv = [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ServerApp.port_retries=0",
+                    "--ip=127.0.0.1", "--no-browser", "--allow-root", f"--ServerApp.root_dir={root}"]
+            if connection_class:
+                argv.append(f"--ServerApp.kernel_websocket_connection_class={connection_class}")
+            # the token through the environment, never on a command line; the runtime files (they hold
+            # the token and the kernel's key) under root, not in the home directory
+            env = {**os.environ, **(env or {}), "JUPYTER_TOKEN": self.token,
+                   "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(argv, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+            self.base = f"http://127.0.0.1:{port}"
+            self.headers = {"Authorization": f"token {self.token}"}
             self._wait_ready()
             self.kernel_id = self._api("POST", "/api/kernels", json={"name": "python3"})["id"]
             self.ws = websocket.create_connection(f"ws://127.0.0.1:{port}/api/kernels/{self.kernel_id}/channels",
@@ -62,13 +68,9 @@ class LocalJupyterServer:
             except requests.RequestException:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"jupyter server did not start: {self._stderr()[-2000:]}")
+                tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+                raise RuntimeError(f"jupyter server did not start: {tail}")
             time.sleep(0.1)  # a server starting up has no event to wait on
-
-    def _stderr(self) -> str:
-        if self.proc.poll() is None:
-            return "(still running)"
-        return self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
 
     def execute(self, code: str) -> tuple[float, dict, str]:
         """Run ``code``: seconds from sending it to its reply and idle status, the reply's content,
@@ -96,17 +98,20 @@ class LocalJupyterServer:
         return time.perf_counter() - t0, reply, printed
 
     def close(self) -> None:
-        ws = getattr(self, "ws", None)
-        if ws is not None:
-            ws.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        try:
+            if self.ws is not None:
+                self.ws.close()
+        finally:
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.ports.close()
+                if self.proc is not None and self.proc.poll() is None:
+                    self.proc.terminate()
+                    try:
+                        self.proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                        self.proc.wait()
+            finally:
+                self.ports.close()
 
     def __enter__(self) -> LocalJupyterServer:
         return self

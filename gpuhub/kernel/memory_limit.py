@@ -5,7 +5,8 @@ as a bare signal.
 
 Both cgroup layouts are read: the unified one (cgroup v2, Debian 12's default: ``memory.max``,
 ``memory.events``) and the memory controller of cgroup v1 (hybrid hosts: ``memory.limit_in_bytes``,
-``memory.oom_control``). Anything unreadable answers None: the report then names the signal only.
+``memory.oom_control``; v1 cannot tell this limit from the server running out). Anything
+unreadable answers None: the report then names the signal only.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def _read(name_v1: str, name_v2: str, root: Path, proc_cgroup: str | None) -> tu
 
 @dataclass(frozen=True)
 class OomCounts:
-    """Two counters of this process's memory cgroup: ``limit_hits`` grows when the cgroup's own
-    limit was reached (v2 ``oom``; v1 ``memory.failcnt``, which also counts hits that reclaim
-    resolved), ``kills`` when Linux's out-of-memory killer ended one of its processes, whatever ran
-    out: this limit, a parent slice's, or the whole server's memory (``oom_kill``)."""
+    """Counters of this process's memory cgroup: ``kills`` grows when Linux's out-of-memory killer
+    ended one of its processes, whatever ran out (this limit, a parent slice's, the whole server's
+    memory); ``limit_hits`` when the cgroup's own limit was reached and an allocation was about to
+    fail (cgroup v2 ``oom``). None on cgroup v1, which counts no such thing (its ``failcnt`` also
+    grows whenever reclaiming page cache kept usage under the limit)."""
 
-    limit_hits: int
+    limit_hits: int | None
     kills: int
 
 
@@ -60,16 +62,12 @@ def oom_counts(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> OomC
     found = _read("memory.oom_control", "memory.events", root, proc_cgroup)
     if found is None:
         return None
-    layout, d, text = found
+    layout, _, text = found
     fields = dict(line.partition(" ")[::2] for line in text.splitlines())
-    kills = fields.get("oom_kill", "")
-    try:
-        hits = fields.get("oom", "") if layout == "v2" else (d / "memory.failcnt").read_text()
-    except OSError:
+    kills, hits = fields.get("oom_kill", "").strip(), fields.get("oom", "").strip()
+    if not kills.isdigit() or (layout == "v2" and not hits.isdigit()):
         return None
-    if not (hits.strip().isdigit() and kills.strip().isdigit()):
-        return None
-    return OomCounts(int(hits), int(kills))
+    return OomCounts(int(hits) if layout == "v2" else None, int(kills))
 
 
 def killed_by(before: OomCounts | None, after: OomCounts | None) -> str:
@@ -77,11 +75,14 @@ def killed_by(before: OomCounts | None, after: OomCounts | None) -> str:
     sentence ("" when the counters do not say it was the out-of-memory killer)."""
     if before is None or after is None or after.kills <= before.kills:
         return ""
+    limit = limit_bytes()
+    if before.limit_hits is None or after.limit_hits is None:
+        return f"out of memory (this kernel's limit is {describe(limit)}, or the server ran out)" if limit \
+            else "out of memory"
     if after.limit_hits > before.limit_hits:
-        limit = limit_bytes()
-        return ("out of memory, this kernel's processes reached their limit"
-                + (f" of {describe(limit)}" if limit else ""))
-    return "out of memory: the server ran out of memory (not this kernel's limit)"
+        return "out of memory, this kernel's processes reached their limit" + (
+            f" of {describe(limit)}" if limit else "")
+    return "out of memory, the server ran out (this kernel's limit was not reached)"
 
 
 def limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> int | None:

@@ -340,7 +340,7 @@ def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):
 def test_a_gpu_cell_past_the_kernels_memory_limit_is_told_it_ran_out_of_memory(cluster, alice_kernel):
     """The kernel unit's MemoryMax= (2G on the test cluster) kills a GPU cell's process that goes past
     it: the user reads that it ran out of memory and what the limit is, not only a signal number,
-    and the namespace is as it was."""
+    the namespace is as it was, and no replica was stopped for it."""
     kid, channel = alice_kernel
     channel.run("kept = 1")
     units = kernel_units(cluster, kid)
@@ -348,7 +348,10 @@ def test_a_gpu_cell_past_the_kernels_memory_limit_is_told_it_ran_out_of_memory(c
     out = channel.collect(channel.send_execute("lost = b'x' * (3 << 30)"))
     reply = out["reply"]
     assert reply["status"] == "error" and reply["ename"] == "CellProcessDied", out
-    assert "out of memory, this kernel's processes reached their limit of 2.0 GiB" in reply["evalue"], reply
+    # cgroup v2 names the limit; v1 (the podman test cluster's memory controller) cannot tell it
+    # from the server running out, and says both
+    assert ("out of memory, this kernel's processes reached their limit of 2.0 GiB" in reply["evalue"]
+            or "out of memory (this kernel's limit is 2.0 GiB, or the server ran out)" in reply["evalue"]), reply
     assert channel.run("print(kept, 'lost' in dir())")["stdout"].split() == ["1", "False"]
     assert kernel_units(cluster, kid) == units  # no replica was stopped or restarted (OOMPolicy=continue)
 

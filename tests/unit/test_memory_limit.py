@@ -25,12 +25,12 @@ def test_cgroup_v2_as_on_debian_12(tmp_path):
 
 
 def test_cgroup_v1_memory_controller_of_a_hybrid_host_wins_over_the_unified_tree(tmp_path):
-    cgroup(tmp_path, "memory", {"memory.limit_in_bytes": "536870912\n", "memory.failcnt": "17\n",
+    cgroup(tmp_path, "memory", {"memory.limit_in_bytes": "536870912\n", "memory.failcnt": "17\n",  # not used
                                 "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"})
     cgroup(tmp_path, "unified", {})  # the unified tree of a hybrid host has no memory controller
     proc = f"12:pids:{UNIT}\n4:memory:{UNIT}\n1:name=systemd:{UNIT}\n0::{UNIT}\n"
     assert memory_limit.limit_bytes(tmp_path, proc) == 512 << 20
-    assert memory_limit.oom_counts(tmp_path, proc) == memory_limit.OomCounts(limit_hits=17, kills=3)
+    assert memory_limit.oom_counts(tmp_path, proc) == memory_limit.OomCounts(limit_hits=None, kills=3)
     assert memory_limit.describe(512 << 20) == "512 MiB" and memory_limit.describe(2 << 30) == "2.0 GiB"
 
 
@@ -50,7 +50,13 @@ def test_a_kill_is_named_by_what_ran_out(monkeypatch):
         "out of memory, this kernel's processes reached their limit of 2.0 GiB")
     # killed without this cgroup reaching its limit: the server (or a parent slice) ran out
     assert memory_limit.killed_by(before, memory_limit.OomCounts(4, 2)) == (
-        "out of memory: the server ran out of memory (not this kernel's limit)")
+        "out of memory, the server ran out (this kernel's limit was not reached)")
+    # cgroup v1 cannot tell the two apart
+    v1 = memory_limit.OomCounts(limit_hits=None, kills=1)
+    assert memory_limit.killed_by(v1, memory_limit.OomCounts(None, 2)) == (
+        "out of memory (this kernel's limit is 2.0 GiB, or the server ran out)")
+    monkeypatch.setattr(memory_limit, "limit_bytes", lambda: None)
+    assert memory_limit.killed_by(v1, memory_limit.OomCounts(None, 2)) == "out of memory"
     # no kill counted (a SIGKILL from someone else), or nothing known: nothing said
     assert memory_limit.killed_by(before, memory_limit.OomCounts(9, 1)) == ""
     assert memory_limit.killed_by(None, memory_limit.OomCounts(5, 2)) == ""
