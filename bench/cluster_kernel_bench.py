@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import replicated_bench
 from bench.load_bench import pct
 
 CELLS = int(os.environ.get("GPUHUB_BENCH_CELLS", "100"))
@@ -79,17 +80,7 @@ def timed_cell(channel, code: str) -> float:
 
 def interleaved(channels: dict, code: str, n: int, warmup: int = WARMUP, think_s: float = 0.0,
                 rounds: int = ROUNDS) -> dict[str, list[float]]:
-    for ch in channels.values():
-        for _ in range(warmup):
-            timed_cell(ch, code)
-    times: dict[str, list[float]] = {label: [] for label in channels}
-    per_round = -(-n // rounds)
-    while any(len(t) < n for t in times.values()):
-        for label, ch in channels.items():
-            for _ in range(min(per_round, n - len(times[label]))):
-                time.sleep(think_s)  # the user reads the last output: load shape, not a wait for an event
-                times[label].append(timed_cell(ch, code))
-    return times
+    return replicated_bench.interleaved(channels, code, n, warmup, rounds, think_s, timed=timed_cell)
 
 
 def row(label: str, times: list[float], anchor: list[float]) -> dict:

@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jupyter_client import BlockingKernelClient, KernelManager
@@ -95,20 +96,22 @@ def output_of(kc: BlockingKernelClient, code: str) -> str:
     return "".join(out)
 
 
-def interleaved(kcs: dict[str, BlockingKernelClient], code: str, n: int = CELLS, warmup: int = WARMUP,
-                rounds: int = ROUNDS, think_s: float = 0.0) -> dict[str, list[float]]:
+def interleaved(kcs: dict[str, object], code: str, n: int = CELLS, warmup: int = WARMUP,
+                rounds: int = ROUNDS, think_s: float = 0.0,
+                timed: Callable[[object, str], float] = lambda kc, code: cell(kc, code)[0]) -> dict[str, list[float]]:
     """``n`` timed cells of ``code`` per kernel after ``warmup``, alternating kernels in rounds;
-    ``think_s``: a pause before each timed cell, as a user reading the last output makes."""
+    ``think_s``: a pause before each timed cell, as a user reading the last output makes.
+    ``timed(kernel, code)``: seconds for one cell (default: a ``BlockingKernelClient``'s)."""
     for kc in kcs.values():
         for _ in range(warmup):
-            cell(kc, code)
+            timed(kc, code)
     times: dict[str, list[float]] = {label: [] for label in kcs}
     per_round = -(-n // rounds)
     while any(len(t) < n for t in times.values()):
         for label, kc in kcs.items():
             for _ in range(min(per_round, n - len(times[label]))):
-                time.sleep(think_s)
-                times[label].append(cell(kc, code)[0])
+                time.sleep(think_s)  # a user reading the output: load shape, not a wait for an event
+                times[label].append(timed(kc, code))
     return times
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from bench.load_bench import pct
+from bench.replicated_bench import interleaved
 from gpuhub.dev.jupyter_server import LocalJupyterServer
 
 CELLS = 200
@@ -27,19 +28,8 @@ THINK_CELLS = 60
 CLASSES = {"Jupyter Server's": "", "gpuhub's": "gpuhub.server.websocket.NoDelayChannelsConnection"}
 
 
-def interleaved(servers: dict[str, LocalJupyterServer], n: int, warmup: int,
-                think_s: float) -> dict[str, list[float]]:
-    for s in servers.values():
-        for _ in range(warmup):
-            s.execute("x = 1")
-    times: dict[str, list[float]] = {label: [] for label in servers}
-    per_round = -(-n // ROUNDS)
-    while any(len(t) < n for t in times.values()):
-        for label, s in servers.items():
-            for _ in range(min(per_round, n - len(times[label]))):
-                time.sleep(think_s)  # a user reading the output: load shape, not a wait for an event
-                times[label].append(s.execute("x = 1")[0])
-    return times
+def run(server: LocalJupyterServer, code: str) -> float:
+    return server.execute(code)[0]
 
 
 def main() -> str:
@@ -48,8 +38,8 @@ def main() -> str:
         try:
             for label, cls in CLASSES.items():
                 servers[label] = LocalJupyterServer(Path(root), cls)
-            back_to_back = interleaved(servers, CELLS, WARMUP, 0.0)
-            paced = interleaved(servers, THINK_CELLS, 0, THINK_S)
+            back_to_back = interleaved(servers, "x = 1", CELLS, WARMUP, ROUNDS, timed=run)
+            paced = interleaved(servers, "x = 1", THINK_CELLS, 0, ROUNDS, THINK_S, timed=run)
         finally:
             for s in servers.values():
                 s.close()

@@ -69,29 +69,11 @@ def _describe_status(status: int, oom_before: memory_limit.OomCounts | None = No
         except ValueError:  # a real-time signal other than SIGRTMIN/SIGRTMAX
             name = signal.strsignal(sig) or "unnamed"
         said = f"was killed by signal {sig} ({name})"
-        why = _oom_reason(oom_before) if sig == signal.SIGKILL else ""
+        why = memory_limit.killed_by(oom_before, memory_limit.oom_counts()) if sig == signal.SIGKILL else ""
         return f"{said}: {why}" if why else said
     if os.WEXITSTATUS(status) == CHILD_FAILED:
         return "failed in gpuhub's code"
     return f"exited with status {os.WEXITSTATUS(status)}"
-
-
-def _oom_counts() -> memory_limit.OomCounts | None:
-    """memory_limit.oom_counts(), which never stops a cell's path: None on any failure."""
-    try:
-        return memory_limit.oom_counts()
-    except Exception:  # a report's detail; the cell's reply matters more
-        log.debug("reading the cgroup's out-of-memory counters failed", exc_info=True)
-        return None
-
-
-def _oom_reason(before: memory_limit.OomCounts | None) -> str:
-    """memory_limit.killed_by() since ``before``; "" on any failure, as above."""
-    try:
-        return memory_limit.killed_by(before, memory_limit.oom_counts())
-    except Exception:
-        log.debug("reading the cgroup's out-of-memory counters failed", exc_info=True)
-        return ""
 
 
 def _name_cells_per_kernel() -> None:
@@ -570,9 +552,9 @@ class GpuhubKernel(IPythonKernel):
     def _arm_tracker(self):
         """A write tracker over the buffers of the last image this replica holds, and its known_digest."""
         rep = self.replica
-        resident, written = self._written
+        resident_id, written = self._written
         return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages",
-                            hash_instead=written if resident == id(rep.resident) else ())
+                            hash_instead=written if resident_id == id(rep.resident) else ())
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)
@@ -709,7 +691,7 @@ class GpuhubKernel(IPythonKernel):
               "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
               "execution_count": number, "stored": rep.store.digests(),
               "request": request, "request_ident": self._parent_ident["shell"]}
-        oom_before = _oom_counts()
+        oom_before = memory_limit.oom_counts()  # never raises
         try:
             started = proc is not None and proc.start(go)
             if not started:

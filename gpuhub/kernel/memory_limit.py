@@ -32,17 +32,23 @@ def _dirs(proc_cgroup: str, root: Path) -> list[tuple[str, Path]]:
 
 
 def _read(name_v1: str, name_v2: str, root: Path, proc_cgroup: str | None) -> tuple[str, Path, str] | None:
-    """(layout, directory, text) of the first of this process's memory cgroup files found."""
+    """(layout, directory, text) of the first of this process's memory cgroup files found. Never
+    raises: a cell's error report calls it, and an unreadable file only makes that report plainer."""
     try:
         text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: undecodable bytes
         return None
     for layout, d in _dirs(text, root):
         try:
             return layout, d, (d / (name_v1 if layout == "v1" else name_v2)).read_text()
-        except OSError:
+        except (OSError, ValueError):
             continue
     return None
+
+
+def _count(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,10 @@ def oom_counts(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> OomC
         return None
     layout, _, text = found
     fields = dict(line.partition(" ")[::2] for line in text.splitlines())
-    kills, hits = fields.get("oom_kill", "").strip(), fields.get("oom", "").strip()
-    if not kills.isdigit() or (layout == "v2" and not hits.isdigit()):
+    kills, hits = _count(fields.get("oom_kill", "")), _count(fields.get("oom", ""))
+    if kills is None or (layout == "v2" and hits is None):
         return None
-    return OomCounts(int(hits) if layout == "v2" else None, int(kills))
+    return OomCounts(hits if layout == "v2" else None, kills)
 
 
 def killed_by(before: OomCounts | None, after: OomCounts | None) -> str:
@@ -88,10 +94,8 @@ def killed_by(before: OomCounts | None, after: OomCounts | None) -> str:
 def limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> int | None:
     """This cgroup's memory limit in bytes, or None (no limit, or unknown)."""
     found = _read("memory.limit_in_bytes", "memory.max", root, proc_cgroup)
-    if found is None or not found[2].strip().isdigit():
-        return None  # "max": no limit
-    n = int(found[2])
-    return None if n >= NO_LIMIT_V1 else n
+    n = _count(found[2]) if found is not None else None  # None for "max": no limit
+    return None if n is None or n >= NO_LIMIT_V1 else n
 
 
 def describe(n: int) -> str:

@@ -40,6 +40,11 @@ def test_no_limit_and_nothing_readable_answer_none(tmp_path):
     assert memory_limit.oom_counts(tmp_path, f"0::{UNIT}\n") is None  # no memory.events
     assert memory_limit.limit_bytes(tmp_path / "nowhere", f"0::{UNIT}\n") is None
     assert memory_limit.oom_counts(tmp_path, "garbage") is None
+    bad = tmp_path / "bad"  # never raises into a cell's error report: undecodable or odd digits
+    cgroup(bad, "", {"memory.max": "\u00b2\n"})
+    (bad / UNIT.lstrip("/") / "memory.events").write_bytes(b"oom \xff\noom_kill 1\n")
+    assert memory_limit.limit_bytes(bad, f"0::{UNIT}\n") is None
+    assert memory_limit.oom_counts(bad, f"0::{UNIT}\n") is None
 
 
 def test_a_kill_is_named_by_what_ran_out(monkeypatch):
