@@ -10,6 +10,7 @@ from tornado.web import Application
 
 from gpuhub.agent.device_gate import DeviceGateError
 from gpuhub.agent.leases import LeaseError
+from gpuhub.agent.lingering import LingerRefused
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.quota_gate import QuotaRefused
 from gpuhub.agent.service import Agent
@@ -286,17 +287,65 @@ class LeaseHandler(AgentHandler):
 
     def delete(self, lease_id: str) -> None:
         unit = self.unit
-        raw = self.get_query_argument("waited_s", None)
-        waited_s = None
-        if raw is not None:
-            try:
-                waited_s = float(raw)
-            except ValueError:
-                waited_s = -1.0
-            if not 0.0 <= waited_s <= MAX_WAITED_S:  # also NaN
-                raise ApiError(400, f"waited_s must be seconds between 0 and {MAX_WAITED_S:g}, not {raw[:40]!r}")
+        waited_s = _waited_s(self.get_query_argument("waited_s", None))
         released = self.agent.release(unit, lease_id, waited_s)
         self.write_json({"lease_id": lease_id, "released": released})
+
+
+def _waited_s(raw: object) -> float | None:
+    if raw is None:
+        return None
+    try:
+        waited_s = float(raw)
+    except (TypeError, ValueError):
+        waited_s = -1.0
+    if not 0.0 <= waited_s <= MAX_WAITED_S:  # also NaN
+        raise ApiError(400, f"waited_s must be seconds between 0 and {MAX_WAITED_S:g}, not {str(raw)[:40]!r}")
+    return waited_s
+
+
+class LingerRequest(Body):
+    """POST /api/v1/leases/{id}/linger."""
+
+    pid: int
+    waited_s: float = None
+
+
+class LingerHandler(AgentHandler):
+    """The cell under the lease is over; its process keeps the GPUs warm for the next cell."""
+
+    callers = ("unit",)
+
+    async def post(self, lease_id: str) -> None:
+        unit = self.unit
+        body = self.parse_body(LingerRequest)
+        waited_s = _waited_s(body.waited_s)
+        try:
+            lingering = await self.agent.linger(unit, lease_id, body.pid, waited_s)
+        except LingerRefused as exc:
+            raise ApiError(400, str(exc)) from None
+        if not lingering:
+            raise ApiError(404, f"{unit.name} holds no lease {lease_id}")
+        self.write_json({"lease_id": lease_id, "lingering": True})
+
+
+class ResumeHandler(AgentHandler):
+    """The kernel's next cell runs under its lingering lease (409: it was taken back)."""
+
+    callers = ("unit",)
+
+    def post(self, lease_id: str) -> None:
+        unit = self.unit
+        try:
+            lease = self.agent.resume(unit, lease_id)
+        except QuotaRefused as exc:
+            self.write_json({"error": str(exc), "quota": exc.limit}, 403)
+            return
+        if lease is None:
+            self.write_json({"error": f"lease {lease_id} was taken back"}, 409)
+            return
+        self.write_json({"lease_id": lease.lease_id, "node": self.agent.config.node_name,
+                         "gpus": self.agent.gpu_uuids(lease)})
 
 
 class MigrationHandler(AgentHandler):
@@ -355,6 +404,8 @@ def make_app(agent: Agent, token: str, scheduler_token: str | None = None,
             (r"/api/v1/units/([A-Za-z0-9_.@-]+)/fence", FenceHandler, args),
             (r"/api/v1/leases", LeasesHandler, args),
             (r"/api/v1/leases/([A-Za-z0-9]+)", LeaseHandler, args),
+            (r"/api/v1/leases/([A-Za-z0-9]+)/linger", LingerHandler, args),
+            (r"/api/v1/leases/([A-Za-z0-9]+)/resume", ResumeHandler, args),
             (r"/api/v1/migrations", MigrationHandler, args),
             (r"/api/v1/quota", QuotaViewHandler, args),
             (r"/metrics", MetricsHandler, args),

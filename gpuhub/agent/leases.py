@@ -4,8 +4,11 @@ Pure logic, no I/O: the agent's HTTP API and the simulator drive the same class.
 
 Vocabulary (docs/architecture.md, oversubscription vocabulary):
 - *pending* GPUs: the sum of the GPU specs of the replicas placed on this node;
-- *committed* GPUs: GPUs granted to an executing cell right now (never more than the node has).
-A grant is all-or-nothing and immediate: either ``n`` GPUs are free now, or the request is refused.
+- *committed* GPUs: GPUs granted to an executing cell right now (never more than the node has);
+- *lingering* GPUs: held between cells by a kernel's idle cell process (its CUDA context and GPU
+  memory), so that its next cell starts warm; taken back the moment another grant needs them.
+A grant is all-or-nothing and immediate: either ``n`` GPUs are free now (once lingering leases
+are taken back: :meth:`LeaseBook.reclaimable`), or the request is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ class Lease:
     expires_at: float | None = None  # None: lives until released or its holder dies
     user: str = ""  # the holder's user and kernel: what quotas count (gpuhub/agent/quota_gate.py)
     kernel_id: str = ""
+    # Lingering: no cell runs; this process (the kernel's idle cell process) holds the GPUs' memory
+    # and is ended when another grant needs them.
+    lingering_pid: int | None = None
+    lingering_since: float | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -41,6 +48,8 @@ class Lease:
             "expires_at": self.expires_at,
             "user": self.user,
             "kernel_id": self.kernel_id,
+            "lingering_pid": self.lingering_pid,
+            "lingering_since": self.lingering_since,
         }
 
     @classmethod
@@ -54,6 +63,8 @@ class Lease:
             expires_at=d.get("expires_at"),
             user=d.get("user", ""),
             kernel_id=d.get("kernel_id", ""),
+            lingering_pid=d.get("lingering_pid"),
+            lingering_since=d.get("lingering_since"),
         )
 
 
@@ -83,15 +94,22 @@ class LeaseBook:
     # --- grants (committed) --------------------------------------------------
     @property
     def busy(self) -> set[int]:
+        """GPUs some lease holds, lingering ones too (their memory is in use)."""
         return {g for lease in self.leases.values() for g in lease.gpus}
 
     @property
+    def lingering(self) -> set[int]:
+        return {g for lease in self.leases.values() if lease.lingering_pid is not None for g in lease.gpus}
+
+    @property
     def committed(self) -> int:
-        return len(self.busy)
+        """GPUs a running cell holds: lingering ones are not (another grant takes them back)."""
+        return len(self.busy) - len(self.lingering)
 
     @property
     def free(self) -> int:
-        return self.gpu_count - self.committed
+        """GPUs no lease holds: a grant takes these without ending a lingering lease."""
+        return self.gpu_count - len(self.busy)
 
     def can_grant(self, n: int) -> bool:
         return 0 <= n <= self.free
@@ -128,6 +146,36 @@ class LeaseBook:
         )
         self.leases[lease_id] = lease
         return lease
+
+    def linger(self, lease_id: str, pid: int, now: float) -> Lease | None:
+        """The cell under ``lease_id`` is over and process ``pid`` keeps its GPUs warm until the
+        holder's next cell, or until another grant needs them. None: no such lease."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.lingering_pid, lease.lingering_since = pid, now
+        return lease
+
+    def resume(self, lease_id: str, now: float) -> Lease | None:
+        """The holder's next cell runs under its lingering lease. None: it was taken back."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.lingering_pid is None:
+            return None
+        lease.lingering_pid = lease.lingering_since = None
+        lease.granted_at = now
+        return lease
+
+    def reclaimable(self, n: int) -> list[Lease] | None:
+        """The lingering leases to end so that ``n`` GPUs are free, longest lingering first ([] when
+        they are free already); None when even ending every one would not free ``n``."""
+        free = self.free
+        taken: list[Lease] = []
+        for lease in sorted((le for le in self.leases.values() if le.lingering_pid is not None),
+                            key=lambda le: le.lingering_since or 0.0):
+            if free >= n:
+                break
+            taken.append(lease)
+            free += len(lease.gpus)
+        return taken if free >= n else None
 
     def release(self, lease_id: str) -> Lease | None:
         """Release a lease. Idempotent: releasing an unknown or released lease returns None."""

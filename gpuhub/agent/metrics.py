@@ -30,6 +30,8 @@ class AgentCollector:
             ("gpuhub_agent_gpus", "GPUs on this node", a.book.gpu_count),
             ("gpuhub_agent_gpus_pending", "GPUs of the kernel replicas placed on this node", a.book.pending),
             ("gpuhub_agent_gpus_committed", "GPUs granted to executing cells right now", a.book.committed),
+            ("gpuhub_agent_gpus_lingering", "GPUs kept warm between a kernel's cells, taken back on demand",
+             len(a.book.lingering)),
         ):
             g = GaugeMetricFamily(name, help_, labels=["node"])
             g.add_metric([node], value)
@@ -43,7 +45,7 @@ class AgentCollector:
         now = time.time()
         oldest.add_metric([node], max((now - lease.granted_at for lease in a.book.leases.values()), default=0.0))
         yield oldest
-        for key in ("granted", "refused", "expired", "released"):
+        for key in ("granted", "refused", "expired", "released", "reclaimed"):
             c = CounterMetricFamily(f"gpuhub_agent_leases_{key}", f"GPU lease requests {key}", labels=["node"])
             c.add_metric([node], a.counters[key])
             yield c
@@ -53,7 +55,7 @@ class AgentCollector:
             c.add_metric([node, limit], n)
         yield c
         yield from a.cell_gpu_wait.collect()
-        busy = a.book.busy
+        busy = a.book.busy - a.book.lingering
         label_names = ["node", "gpu", "uuid"]
         fams = {
             "mem_used": GaugeMetricFamily("gpuhub_gpu_memory_used_bytes", "GPU memory in use", labels=label_names),

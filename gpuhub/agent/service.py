@@ -22,6 +22,7 @@ from gpuhub.agent.config import AgentConfig
 from gpuhub.agent.device_gate import DeviceGate, DeviceGateError
 from gpuhub.agent.journals import Journals
 from gpuhub.agent.leases import Lease, LeaseBook, LeaseError
+from gpuhub.agent.lingering import LingeringProcesses, LingerRefused
 from gpuhub.agent.metrics import cell_gpu_wait_histogram
 from gpuhub.agent.ports import kernel_connection, ports_taken
 from gpuhub.agent.quota_gate import QuotaGate, QuotaRefused, UsageMeter
@@ -85,7 +86,9 @@ class Agent:
         # Its own file: written when the scheduler's answer changes it, not at every grant and release.
         self.quota_store = JsonStore(Path(config.state_dir) / "quota_view.json", durable=False)
         self.journals = Journals(config.state_dir)
-        self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0}
+        # reclaimed: lingering leases ended for another grant
+        self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0, "reclaimed": 0}
+        self.lingering = LingeringProcesses()
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
         self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
         self.quota_gate = QuotaGate()
@@ -130,6 +133,7 @@ class Agent:
             self.book.leases[lease.lease_id] = lease
         ended = [le for le in saved if le.lease_id not in self.book.leases]
         self._ended(ended, now=min(float(data.get("saved_at") or 0.0), time.time()))
+        await self._recover_lingering()
         try:  # enforced from the start, not from the next heartbeat
             self.quota_gate.update(self.quota_store.load())
         except CorruptStore:
@@ -142,6 +146,17 @@ class Agent:
         self._leases_changed()
         self.save()
         log.info("recovered %d unit(s) and %d lease(s)", len(self.units), len(self.book.leases))
+
+    async def _recover_lingering(self) -> None:
+        """Hold again the processes of lingering leases (checked as at linger time); a lease whose
+        process is gone or cannot be checked ends (its kernel's next cell asks anew)."""
+        for lease in [le for le in self.book.leases.values() if le.lingering_pid is not None]:
+            status = await self.runner.status(lease.holder)
+            try:
+                self.lingering.adopt(lease.lease_id, lease.lingering_pid, status.main_pid if status.active else None)
+            except LingerRefused as exc:
+                log.info("lingering lease %s of %s ends: %s", lease.lease_id, lease.holder, exc)
+                self.book.release(lease.lease_id)
 
     # --- GPUs ----------------------------------------------------------------
     def gpus(self) -> list:
@@ -168,6 +183,7 @@ class Agent:
             "gpus": [g.to_dict() for g in self.gpus()],
             "pending": self.book.pending,
             "committed": self.book.committed,
+            "lingering": len(self.book.lingering),
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "units": len(self.units),
             "version": gpuhub.__version__,
@@ -420,11 +436,12 @@ class Agent:
         # never added to: user code can read the unit's lease token, and must not collect GPUs
         # beyond the kernel's placement with it.
         for old in [le for le in self.book.leases.values() if le.holder == unit.name]:
+            self.lingering.kill(old.lease_id)
             self._ended([self.book.release(old.lease_id)])
             self.counters["released"] += 1
             log.warning("%s asked for a lease while holding %s; that one is released", unit.name, old.lease_id)
         try:
-            self.quota_gate.check(unit.user, unit.kernel_id, gpus, self.book.leases.values(), self.meter)
+            self.quota_gate.check(unit.user, unit.kernel_id, gpus, self._active_leases(), self.meter)
         except QuotaRefused as exc:
             self.quota_refusals[exc.limit] += 1
             log.info("%s: no lease for %s's cell: %s", unit.name, unit.user, exc)
@@ -440,7 +457,15 @@ class Agent:
     async def grant_opened(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
         """``grant``, answered once the unit may open the granted GPUs' device nodes: a cell must not
         start before. DeviceGateError when they cannot be opened to it (the grant is given back)."""
+        for own in [le for le in self.book.leases.values() if le.holder == unit.name and le.lingering_pid is not None]:
+            await self._end_lingering(own)  # asked anew (an election): its warm process ends first
         lease = self.grant(unit, gpus, holder_pid)
+        if lease is None and self.fenced.get(unit.name, 0.0) <= time.monotonic():
+            taken = self.book.reclaimable(gpus)
+            if taken:  # GPUs kept warm for other kernels' next cells: this cell needs them now
+                for other in taken:
+                    await self._end_lingering(other)
+                lease = self.grant(unit, gpus, holder_pid)
         if lease is not None:
             try:
                 await self.device_gate.ready(unit.name)
@@ -448,6 +473,67 @@ class Agent:
                 self.release(unit, lease.lease_id)
                 raise
         return lease
+
+    def _active_leases(self) -> list[Lease]:
+        return [le for le in self.book.leases.values() if le.lingering_pid is None]
+
+    async def linger(self, unit: UnitRecord, lease_id: str, pid: int, waited_s: float | None = None) -> bool:
+        """The cell under ``lease_id`` is over and its process ``pid`` keeps the GPUs warm for the
+        unit's next cell, until another grant needs them (gpuhub/agent/lingering.py). False: no
+        such lease of this unit. LingerRefused: the process cannot be held; the lease stays as it
+        was (the kernel then ends the process and releases it)."""
+        lease = self.book.leases.get(lease_id)
+        if lease is None or lease.holder != unit.name:
+            return False
+        status = await self.runner.status(unit.name)
+        self.lingering.adopt(lease_id, pid, status.main_pid if status.active else None)
+        lease = self.book.leases.get(lease_id)
+        if lease is None or lease.holder != unit.name:  # released meanwhile
+            self.lingering.forget(lease_id)
+            return False
+        now = time.time()
+        if lease.lingering_pid is None:
+            self._ended([lease], now)  # GPU time is counted while cells run, not while it lingers
+            if waited_s is not None:
+                self.cell_gpu_wait.labels(self.config.node_name).observe(waited_s)
+        self.book.linger(lease_id, pid, now)
+        self._leases_changed()
+        self.save()
+        return True
+
+    def resume(self, unit: UnitRecord, lease_id: str) -> Lease | None:
+        """The unit's next cell runs under its lingering lease: active again. None: it was taken
+        back (or its process is gone); the kernel then asks for a new grant. QuotaRefused as a
+        grant would be (the lease is taken back)."""
+        lease = self.book.leases.get(lease_id)
+        if lease is None or lease.holder != unit.name or lease.lingering_pid is None:
+            return None
+        alive = self.lingering.alive(lease_id)
+        self.lingering.forget(lease_id)  # from now on the kernel ends its process, never the agent
+        if alive:
+            try:
+                self.quota_gate.check(unit.user, unit.kernel_id, len(lease.gpus), self._active_leases(), self.meter)
+            except QuotaRefused as exc:
+                self.quota_refusals[exc.limit] += 1
+                self.book.release(lease_id)
+                self._leases_changed()
+                self.save()
+                raise
+            self.book.resume(lease_id, time.time())
+        else:
+            self.book.release(lease_id)
+        self._leases_changed()
+        self.save()
+        return lease if alive else None
+
+    async def _end_lingering(self, lease: Lease) -> None:
+        """End a lingering lease: its process first (its exit frees its GPU memory), then the lease."""
+        await self.lingering.end(lease.lease_id)
+        if self.book.release(lease.lease_id) is not None:
+            self.counters["reclaimed"] += 1
+            log.info("lingering lease %s of %s taken back for another cell", lease.lease_id, lease.holder)
+            self._leases_changed()
+            self.save()
 
     def fence(self, name: str) -> list[str] | None:
         """Grant no more GPUs to unit ``name``, which a migration or a drain is about to take out of
@@ -459,6 +545,11 @@ class Agent:
         if name not in self.units:
             return None
         self.fenced[name] = time.monotonic() + FENCE_S
+        for lease in [le for le in self.book.leases.values() if le.holder == name and le.lingering_pid is not None]:
+            self.lingering.kill(lease.lease_id)  # no cell runs under it: it must not hold the move up
+            self.book.release(lease.lease_id)
+            self._leases_changed()
+            self.save()
         return sorted(le.lease_id for le in self.book.leases.values() if le.holder == name)
 
     def unfence(self, name: str) -> None:
@@ -471,6 +562,7 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False  # idempotent; and a unit can only release its own leases
+        self.lingering.kill(lease_id)  # the kernel ends its lingering process first; this is in case
         self._ended([self.book.release(lease_id)])
         self.counters["released"] += 1
         if waited_s is not None:
@@ -483,6 +575,8 @@ class Agent:
         """Leases that ended: what they held counts towards their users' GPU-hours."""
         now = time.time() if now is None else now
         for lease in leases:
+            if lease.lingering_pid is not None:
+                continue  # counted when it began to linger
             self.meter.record(lease.user, len(lease.gpus), lease.granted_at, now)
 
     def heartbeat_body(self) -> dict:
@@ -533,7 +627,9 @@ class Agent:
                 dead_units.add(name)
         gone = self.book.expire(
             time.time(), lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
-        )
+            and (lease.lingering_pid is None or self.lingering.alive(lease.lease_id)))
+        for lease in gone:
+            self.lingering.forget(lease.lease_id)
         if gone:
             self._ended(gone)
             self.counters["expired"] += len(gone)

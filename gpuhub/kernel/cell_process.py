@@ -24,9 +24,14 @@ import time
 import traceback
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpuhub.kernel import pipe
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+
+if TYPE_CHECKING:
+    from gpuhub.kernel.lease_client import Lease
+    from gpuhub.kernel.reaper import CellReaper
 
 # A GPU cell's child that failed in gpuhub's own code (not the user's: that is the cell's error)
 CHILD_FAILED = 70  # EX_SOFTWARE
@@ -116,6 +121,29 @@ class CellProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         threading.Thread(target=_reap, args=(self.pid,), name="gpuhub-reap-spare", daemon=True).start()
+
+
+@dataclass
+class LingeringProcess:
+    """A GPU cell's process kept after its cell, with its lease, for the kernel's next cell. It may
+    run that cell only if the kernel is still in ``state`` (nothing else changed the namespace) and
+    the agent still holds the lease for it (``resume``): the agent ends the process when another
+    kernel needs the GPUs."""
+
+    proc: CellProcess
+    grant: Lease
+    cell: str  # the cell it ran last (log lines)
+    state: Hashable = None  # the kernel's state once that cell's image was committed and loaded
+    refused: str | None = None  # why the agent would not hold it (set by the reaper's thread)
+    timer: object = None  # the asyncio handle that ends it after the kernel's linger time
+
+    def end(self, reaper: CellReaper, *, release: bool = True) -> None:
+        """Let it go (it leaves at the end of its pipe), reap it and give the lease back, on the
+        reaper's thread. ``release`` False: the agent has taken the lease back already."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.proc.close_pipes()
+        reaper.end_later(self.cell, self.proc.pid, self.grant if release else None)
 
 
 def _reap(pid: int) -> None:

@@ -29,7 +29,7 @@ from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import StdinNotImplementedError
 
-from gpuhub.kernel import devices
+from gpuhub.kernel import devices, dirty
 from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.warm_imports import imported_since
@@ -48,6 +48,12 @@ class SentImage:
     buffers: list[tuple[str, int, bytes | None]]
     failed: dict[str, str] = field(default_factory=dict)
     imported: list[str] = field(default_factory=list)  # modules new in this process: the replica may import them
+    # This process's own (digest, size, memory) of every large buffer, for a process that stays for
+    # the next cell (never sent: see __reduce__)
+    kept: list = field(default_factory=list, repr=False)
+
+    def __reduce__(self):
+        return SentImage, (self.stream, self.names, self.buffers, self.failed, self.imported)
 
 
 class PipeStream(io.TextIOBase):
@@ -75,6 +81,9 @@ class PipeDisplayPublisher(DisplayPublisher):
         super().__init__(**kw)
         self.chan = chan
 
+    def set_parent(self, parent) -> None:
+        pass  # the replica relays what this sends under the cell's request
+
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kw) -> None:
         self.chan.send("display", data, metadata or {}, transient or {}, update)
 
@@ -86,6 +95,9 @@ class PipeDisplayHook(DisplayHook):
     def __init__(self, chan: FrameWriter | None, **kw) -> None:
         super().__init__(**kw)
         self.chan = chan
+
+    def set_parent(self, parent) -> None:
+        pass  # as PipeDisplayPublisher's
 
     def write_output_prompt(self) -> None:
         pass
@@ -139,7 +151,13 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     cell), wait for one ("go" on ``in_fd``), run it and report to the parent. The replica forks
     this process ahead of need (gpuhub/kernel/cell_process.py), so what is done before "go" (the
     write tracker's arming over every large buffer, above all) costs the cell nothing. Returns
-    without running anything when the parent closes the pipe instead."""
+    without running anything when the parent closes the pipe instead.
+
+    A cell whose "go" says ``linger`` leaves this process waiting for the kernel's next cell, with
+    its CUDA context and its GPU tensors where they are (a lingering lease): the next cell then
+    starts warm. Its namespace is the one the replicas hold after the cell, less the values that
+    could not be replicated (dropped here too, as a fresh process would not have them); it ends when
+    the parent closes the pipe (or the agent kills it: another kernel needs the GPUs)."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     modules = frozenset(sys.modules)
     _die_with_parent()
@@ -156,13 +174,30 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     go = replies.recv_blocking()
     if go is None or go[0] != "go":
         return  # discarded unused (the namespace changed, or the kernel is leaving)
-    cell = go[1]
     marks = {"started": started, "armed": armed, "go": time.monotonic()}
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cell["gpu_uuids"])
-    kernel = getattr(shell, "kernel", None)
-    if kernel is not None and cell.get("request"):  # forked before the request came: it is the cell's
-        kernel.set_parent(cell.get("request_ident"), cell["request"], "shell")  # the shell's too
+    _enter_cell_process(shell, go[1]["gpu_uuids"], chan, replies)
+    while True:
+        cell = go[1]
+        kernel = getattr(shell, "kernel", None)
+        if kernel is not None and cell.get("request"):  # forked before the request came: it is the cell's
+            kernel.set_parent(cell.get("request_ident"), cell["request"], "shell")  # the shell's too
+        sent = _run_cell(shell, cell, chan, known_digest, marks)
+        sent.imported = imported_since(modules)
+        marks["sent"] = time.monotonic()
+        chan.send("image", sent, marks)
+        if not cell.get("linger"):
+            return
+        known_digest = _keep_for_next_cell(shell, sent)
+        go = replies.recv_blocking()
+        if go is None or go[0] != "go":
+            return
+        marks = {"started": marks["sent"], "armed": time.monotonic(), "go": time.monotonic()}
 
+
+def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies: FrameReader) -> None:
+    """Once per process, before its first cell: its GPUs, its output and input through the pipes,
+    the namespace's tensors back on their GPUs."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
     sys.stdout = PipeStream("stdout", chan)
     sys.stderr = PipeStream("stderr", chan)
     publisher, hook = _display or _display_objects(shell)  # traitlets objects: slow to build per cell
@@ -193,12 +228,15 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     getpass.getpass = lambda prompt="Password: ", stream=None: relayed_input(prompt, True)
 
     devices.move_tagged_to_devices()
+    shell.history_manager.db_cache_size = sys.maxsize  # never flushed here: the parent writes it
 
+
+def _run_cell(shell, cell: dict, chan: FrameWriter, known_digest, marks: dict) -> SentImage:
+    """Run one cell, send its reply ("done"); the namespace image to send after it."""
     # Run as IPython runs a cell, with this cell's number: it names the cell ("Cell In[n]", the
     # compiled code's file) and moves the prompt on (Out[n], _n). The history database is the
     # parent's to write (one SQLite writer): the child keeps what it records in memory.
     shell.execution_count = cell["execution_count"]
-    shell.history_manager.db_cache_size = sys.maxsize  # never flushed here: the parent writes it
     marks["ready"] = time.monotonic()
     result = shell.run_cell(cell["code"], store_history=cell["store_history"], silent=cell["silent"])
     err = result.error_before_exec or result.error_in_exec
@@ -211,21 +249,39 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     done["payload"] = shell.payload_manager.read_payload()
     chan.send("done", done)
     marks["ran"] = time.monotonic()
-    sent = capture_image(shell, frozenset(cell["stored"]), known_digest)
-    sent.imported = imported_since(modules)
-    marks["sent"] = time.monotonic()
-    chan.send("image", sent, marks)
+    return capture_image(shell, frozenset(cell["stored"]), known_digest)
+
+
+def _keep_for_next_cell(shell, sent: SentImage):
+    """After a cell, in a process that stays for the next one: the namespace as the replicas have
+    it (what could not be replicated is gone, as in a process forked for the next cell), and a
+    write tracker over its large buffers, so that the next image hashes only what that cell wrote.
+    Returns the next capture's ``known_digest``."""
+    for name in sent.failed:
+        shell.user_ns.pop(name, None)
+    temporary = devices.take_host_copies()  # GPU tensors' host copies: freed now, never tracked
+    resident = {}
+    for d, _size, mv in sent.kept:
+        address = images.address_of(mv)
+        if not any(start <= address < start + n for start, n in temporary):
+            resident[d] = mv
+    sent.kept = []
+    if dirty.in_process_signal() == "sentinel":
+        return lambda mv: None  # no page bits here: every large buffer is hashed (no sentinel in a CUDA process)
+    _, known_digest = images.track(resident, mode="in-process", sentinel=True)
+    return known_digest
 
 
 def capture_image(shell, stored: frozenset[str], known_digest) -> SentImage:
     """The namespace image, with the bytes of the buffers whose digests the parent's store lacks
     (``stored``: those it has)."""
     cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
-    buffers = []
+    buffers, kept = [], []
     for d, mv in zip(cap.digests, cap.buffers, strict=True):
         d = d or digest(mv)
+        kept.append((d, mv.nbytes, mv))
         if d in stored:
             buffers.append((d, mv.nbytes, None))
         else:  # out of band: the pipe reads it from this process's memory, no copy here
             buffers.append((d, mv.nbytes, pickle.PickleBuffer(mv) if mv.contiguous else bytes(mv)))
-    return SentImage(cap.stream, cap.names, buffers, cap.failed)
+    return SentImage(cap.stream, cap.names, buffers, cap.failed, kept=kept)

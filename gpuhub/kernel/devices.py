@@ -20,6 +20,8 @@ import sys
 import weakref
 
 _tagged: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (tensor, logical GPU), host copies
+# The host copies made by the last captures (see take_host_copies); a list, kept small by its caller.
+_host_copies: list = []
 
 
 def _torch():
@@ -32,6 +34,7 @@ def reduce_gpu_value(obj):
     if torch is None or not isinstance(obj, torch.Tensor) or not obj.is_cuda:
         return None
     host = obj.detach().cpu()
+    _host_copies.append(host)
     return _on_device, (host, isinstance(obj, torch.nn.Parameter), obj.requires_grad, obj.device.index or 0)
 
 
@@ -43,6 +46,14 @@ def _on_device(host, parameter: bool, requires_grad: bool, index: int):
     key = id(value)
     _tagged[key] = (weakref.ref(value, lambda _: _tagged.pop(key, None)), index)
     return value
+
+
+def take_host_copies() -> list[tuple[int, int]]:
+    """(address, bytes) of the host copies of GPU tensors made since the last call, which are
+    dropped here: memory that lives only while an image is captured, never a namespace's."""
+    spans = [(h.untyped_storage().data_ptr(), h.untyped_storage().nbytes()) for h in _host_copies]
+    _host_copies.clear()
+    return spans
 
 
 def tagged() -> list[tuple[object, int]]:

@@ -28,7 +28,7 @@ from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import dirty, hugepages, memory_limit
 from gpuhub.kernel import image as images
-from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess
+from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess, LingeringProcess
 from gpuhub.kernel.moves import MoveRequests
 from gpuhub.kernel.pipe import FrameWriter
 from gpuhub.kernel.reaper import CellReaper
@@ -105,7 +105,13 @@ class GpuhubKernel(IPythonKernel):
 
             self.lease_client = LeaseClient.from_env()
         # A GPU cell's process exits and its grant ends after the reply (gpuhub/kernel/reaper.py).
-        self.reaper = CellReaper(self.lease_client.release if self.lease_client else lambda grant: None)
+        # A cell's process may instead stay for the next cell (a lingering lease, _keep_lingering).
+        if self.lease_client is not None:
+            self.reaper = CellReaper(self.lease_client.release, self.lease_client.linger)
+        else:
+            self.reaper = CellReaper(lambda grant: None)
+        self._lingering: LingeringProcess | None = None  # the last GPU cell's process, kept for the next
+        self._warm: LingeringProcess | None = None  # the one the cell now starting runs in
         self._child_pid: int | None = None
         self._spare: CellProcess | None = None  # the next GPU cell's process, forked ahead of need
         self._spare_wanted = False  # this replica ran the last GPU cell: it likely runs the next
@@ -251,6 +257,7 @@ class GpuhubKernel(IPythonKernel):
             self._forget_note(cell)
         if ran is not None:
             return ran
+        self._end_lingering()  # an election: whichever replica runs the cell asks for GPUs afresh
         started, told, backoff = time.monotonic(), None, 0.1
         # A replica handed the cell late (it joined the group while the cell waited) goes straight
         # to the attempt the others are at.
@@ -342,7 +349,8 @@ class GpuhubKernel(IPythonKernel):
         if holder == rep.id:
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
             asked = time.monotonic()
-            grant = self._try_grant()
+            self._warm = self._resume_lingering()
+            grant = self._warm.grant if self._warm is not None else self._try_grant()
             if self.gpus and grant is None:
                 log.debug("cell %s: the lease holder cannot get %d GPU(s) now: an election", cell, self.gpus)
                 return None  # it yields through the election (its first proposal begins it)
@@ -466,7 +474,10 @@ class GpuhubKernel(IPythonKernel):
         # Every committed image is applied here before the cell runs (this replica may have
         # missed cells: the router skipped it, or it was stopped for a while).
         if not rep.up_to_date() and not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
-            if grant is not None:
+            warm, self._warm = self._warm, None
+            if warm is not None:
+                warm.end(self.reaper)
+            elif grant is not None:
                 self.lease_client.release(grant)
             return self._ended_without_result(rep.abort(
                 cell, attempt, "stale", "this replica could not load the kernel's variables",
@@ -518,6 +529,7 @@ class GpuhubKernel(IPythonKernel):
             # on (the complete may still commit: Raft keeps an entry its leader had appended).
             if self.gpus == 0:
                 rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
+            self._end_lingering()
             rep.loaded_version = -1
             shell.execution_count = rep.state.execution_count or shell.execution_count - 1
             return self._no_majority(exc, cell, ran=True)
@@ -527,13 +539,16 @@ class GpuhubKernel(IPythonKernel):
         if not won:
             # An abort committed first (this replica was cut off): take the group's state instead.
             rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
+            self._end_lingering()
             self._role = "follower"
             self._spare_wanted = False  # another replica runs the next cell: no spare held here
             return reply
         if self.gpus > 0 and not rep.sync_namespace(shell.user_ns, shell.user_ns_hidden):
             log.error("replica %d could not load the image of its own cell", rep.id)  # next cell retries
+        self._keep_lingering()
         self._arm_after_idle = self.gpus == 0  # this replica likely runs the next cell too
-        self._spare_wanted = self.gpus > 0  # ... and its process can be forked after the idle
+        # ... and its process can be forked after the idle, unless the last one stays for it
+        self._spare_wanted = self.gpus > 0 and self._lingering is None
         return reply
 
     def _tracker_for_cell(self):
@@ -622,6 +637,7 @@ class GpuhubKernel(IPythonKernel):
             del self._unreplicable[name]
 
     def _follow(self, outcome: CellOutcome, code: str, store_history: bool, silent: bool) -> dict:
+        self._end_lingering()  # the namespace moves on without it
         if outcome.kind == "abort":
             return self._ended_without_result(outcome)
         rep = self.replica
@@ -683,20 +699,23 @@ class GpuhubKernel(IPythonKernel):
         number = shell.execution_count
         counting = store_history and not silent
         preparing = time.monotonic()
-        proc, forking = self._take_spare(), None
+        warm, self._warm = self._warm, None
+        proc, forking = (warm.proc if warm is not None else self._take_spare()), None
         # The request the cell answers: user code asking get_ipython().parent_header or the
         # kernel's get_parent() must see this cell's (the process may have been forked before it).
         request = {k: v for k, v in self.get_parent("shell").items() if k != "buffers"}
         go = {"code": code, "silent": silent, "store_history": store_history,
               "user_expressions": user_expressions, "gpu_uuids": list(grant.uuids),
               "execution_count": number, "stored": rep.store.digests(),
-              "request": request, "request_ident": self._parent_ident["shell"]}
+              "request": request, "request_ident": self._parent_ident["shell"],
+              "linger": rep.settings.gpu_linger_s > 0}
         oom_before = memory_limit.oom_counts()  # never raises
         try:
             started = proc is not None and proc.start(go)
             if not started:
                 if proc is not None:
-                    log.warning("the spare process for GPU cells had died (%s); forking one for cell %s",
+                    log.warning("the %s process for GPU cells had died (%s); forking one for cell %s",
+                                "lingering" if warm is not None else "spare",
                                 _describe_status(proc.status) if proc.status is not None else "gone", cell)
                 forking = time.monotonic()
                 proc = CellProcess.fork(shell, rep.resident, None)
@@ -738,12 +757,16 @@ class GpuhubKernel(IPythonKernel):
                     break
         finally:
             self._child_pid = None
-            proc.close_pipes()  # a child still writing gets EPIPE and leaves
-            pid = proc.pid if started else None
-            if started and sent is None:  # it died (or this process is leaving): its status says why
-                _, status = os.waitpid(pid, 0)
-                pid = None
-            self.reaper.end_later(cell, pid, grant)
+            if started and sent is not None and go["linger"]:
+                # it waits for the next cell; kept once this cell is committed (_keep_lingering)
+                self._lingering = LingeringProcess(proc, grant, cell)
+            else:
+                proc.close_pipes()  # a child still writing gets EPIPE and leaves
+                pid = proc.pid if started else None
+                if started and sent is None:  # it died (or this process is leaving): its status says why
+                    _, status = os.waitpid(pid, 0)
+                    pid = None
+                self.reaper.end_later(cell, pid, grant)
         storing = time.monotonic()
         self._remember_cell(code, number)  # the child compiled it, and its caches died with it
         if counting:
@@ -763,6 +786,71 @@ class GpuhubKernel(IPythonKernel):
             return reply, None
         done["execution_count"] = shell.execution_count - 1
         return done, sent
+
+    # --- the last GPU cell's process, kept for the next cell (a lingering lease) ----
+    def _linger_state(self) -> tuple:
+        """What the lingering process's namespace matches: the image loaded after its cell, the
+        prompt number, the names shown (unlike a spare's, the modules imported here do not matter)."""
+        rep = self.replica
+        return (rep.loaded_version, id(rep.resident), self.shell.execution_count, self._unhidden)
+
+    def _keep_lingering(self) -> None:
+        """The cell that ran in ``_lingering`` is committed and loaded: keep its process for the next
+        cell, tell the agent (on the reaper's thread), and end it after the kernel's linger time."""
+        lingering = self._lingering
+        if lingering is None or lingering.state is not None:
+            return
+        lingering.state = self._linger_state()
+        loop = asyncio.get_running_loop()
+        lingering.timer = loop.call_later(self.replica.settings.gpu_linger_s, self._linger_over, lingering)
+
+        def refused(why: str) -> None:  # on the reaper's thread
+            lingering.refused = why
+            loop.call_soon_threadsafe(self._linger_over, lingering)
+
+        self.reaper.linger_later(lingering.cell, lingering.proc.pid, lingering.grant, refused)
+
+    def _linger_over(self, lingering: LingeringProcess) -> None:
+        """No next cell in time (or the agent would not hold it): the process and lease end, and a
+        spare is forked for the next cell instead."""
+        if self._lingering is not lingering:
+            return
+        log.debug("the lingering process of cell %s ends (%s)", lingering.cell,
+                  lingering.refused or f"no cell for {self.replica.settings.gpu_linger_s:g} s")
+        self._end_lingering()
+        self._spare_wanted = True
+        self._keep_spare()
+
+    def _resume_lingering(self) -> LingeringProcess | None:
+        """The lingering process, when this cell may run in it: nothing changed the namespace since
+        and the agent still holds its GPUs (it may have ended it for another kernel). Otherwise it
+        is ended (and its exit waited for: its GPU memory is free) and None returned."""
+        lingering, self._lingering = self._lingering, None
+        if lingering is None:
+            return None
+        if lingering.timer is not None:
+            lingering.timer.cancel()
+        release = True
+        if lingering.refused is None and lingering.state == self._linger_state():
+            from gpuhub.kernel.lease_client import LeaseError, QuotaExceeded
+
+            try:
+                if self.lease_client.resume(lingering.grant):
+                    return lingering
+                release = False  # the agent took it back (and ended the process)
+                log.debug("the lingering lease of cell %s was taken back", lingering.cell)
+            except QuotaExceeded:
+                release = False  # the agent released it; the grant asked for next says why
+            except LeaseError as exc:
+                log.warning("could not resume the lingering lease of cell %s: %s", lingering.cell, exc)
+        lingering.end(self.reaper, release=release)
+        self.reaper.wait()
+        return None
+
+    def _end_lingering(self) -> None:
+        lingering, self._lingering = self._lingering, None
+        if lingering is not None:
+            lingering.end(self.reaper)
 
     # --- the next GPU cell's process, forked ahead of need (gpuhub/kernel/cell_process.py) ----
     def _spare_state(self) -> tuple:
@@ -882,6 +970,7 @@ class GpuhubKernel(IPythonKernel):
         self._signal_cell(signal.SIGKILL)
         self._spare_wanted = False
         self._drop_spare()
+        self._end_lingering()
         if self.import_warmer is not None:
             self.import_warmer.close()
         if not self.reaper.wait(timeout=10):  # give the last cell's grant back before leaving

@@ -72,6 +72,29 @@ class LeaseClient:
             raise QuotaExceeded(str(body.get("error", "over the GPU quota")))
         raise LeaseError(f"the GPU agent refused the lease: {body.get('error', status)}")
 
+    def linger(self, grant: Lease, pid: int) -> str | None:
+        """Keep ``grant`` while process ``pid`` (the cell's, idle now) keeps its GPUs warm for the
+        next cell, until another kernel needs them (the agent then ends the process). None when
+        the agent agreed, else why not (the caller then ends the process and releases)."""
+        body: dict = {"pid": pid}
+        if grant.waited_s is not None:
+            body["waited_s"] = round(max(0.0, grant.waited_s), 6)
+            grant.waited_s = None  # reported once, for the cell that waited
+        try:
+            status, answer = self._call("POST", f"/api/v1/leases/{grant.lease_id}/linger", body)
+        except LeaseError as exc:
+            return str(exc)
+        return None if status == 200 else str(answer.get("error", f"HTTP {status}"))
+
+    def resume(self, grant: Lease) -> bool:
+        """Run the next cell under a lingering ``grant``; False when the agent took it back."""
+        status, body = self._call("POST", f"/api/v1/leases/{grant.lease_id}/resume", {})
+        if status == 200:
+            return True
+        if status == 403 and body.get("quota"):
+            raise QuotaExceeded(str(body.get("error", "over the GPU quota")))
+        return False
+
     def request_migration(self) -> tuple[str | None, str]:
         """Ask (through the agent, which asks the scheduler) to move a replica of this kernel to a
         server that can grant its GPUs now: (the target server, "") when a move is under way, or

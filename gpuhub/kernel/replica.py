@@ -83,6 +83,9 @@ class Settings:
     election_timeout_s: float = 1.0  # after the first proposal, stop waiting for silent replicas
     executor_lost_s: float = 2.0  # the executor's replica unreachable this long → abort the cell
     grant_timeout_s: float = 300.0  # all replicas busy: how long a cell waits for a GPU
+    # GPU kernels: how long a cell's process, its CUDA context and GPU memory stay for the next
+    # cell while no other kernel asks for its GPUs (a lingering lease); 0: each cell's ends with it
+    gpu_linger_s: float = 30.0
     ready_timeout_s: float = 120.0  # joining the group and catching up at start
     blob_wait_s: float = 30.0  # a value still arriving from the executor's push: wait this long for it
     inline_max_bytes: int = INLINE_MAX_BYTES
@@ -99,9 +102,13 @@ class Settings:
         for name, env in (("election_timeout_s", "GPUHUB_ELECTION_TIMEOUT_S"),
                           ("executor_lost_s", "GPUHUB_EXECUTOR_LOST_S"),
                           ("grant_timeout_s", "GPUHUB_GRANT_TIMEOUT_S"),
-                          ("ready_timeout_s", "GPUHUB_READY_TIMEOUT_S")):
+                          ("ready_timeout_s", "GPUHUB_READY_TIMEOUT_S"),
+                          ("gpu_linger_s", "GPUHUB_GPU_LINGER_S")):
             if os.environ.get(env):
-                setattr(s, name, float(os.environ[env]))
+                value = float(os.environ[env])
+                if not 0.0 <= value < float("inf"):  # also NaN
+                    raise RuntimeError(f"gpuhub: {env} is {os.environ[env]!r}; use a number of seconds, 0 or more")
+                setattr(s, name, value)
         tracking = os.environ.get("GPUHUB_WRITE_TRACKING", "").strip()
         if tracking:
             if tracking not in ("pages", "sentinel", "hash"):

@@ -128,6 +128,20 @@ def gpu_kernel(make_agent):
     kc.stop_channels()
 
 
+@pytest.fixture
+def fresh_gpu_kernel(make_agent):
+    """A GPU kernel whose cells' processes never linger (GPUHUB_GPU_LINGER_S=0): each cell runs in
+    a process forked for it, which exits after the cell."""
+    agent = make_agent("gpunode", gpus=2)
+    kc, unit = start_kernel(agent, env={"GPUHUB_GPU_LINGER_S": "0"})
+    yield agent, kc, unit
+    kc.stop_channels()
+
+
+def lingering(agent) -> int:
+    return agent.call("GET", "/api/v1/node")[1]["lingering"]
+
+
 def test_cell_sees_exactly_its_granted_gpu_and_lease_is_released(gpu_kernel):
     agent, kc, _ = gpu_kernel
     _, node = agent.call("GET", "/api/v1/node")
@@ -178,8 +192,8 @@ def test_gpu_committed_while_cell_runs(gpu_kernel):
     assert committed_soon(agent) == 0
 
 
-def test_lease_is_held_until_the_cells_process_has_exited(gpu_kernel):
-    agent, kc, _ = gpu_kernel
+def test_lease_is_held_until_the_cells_process_has_exited(fresh_gpu_kernel):
+    agent, kc, _ = fresh_gpu_kernel
     started = time.monotonic()
     reply, out = run(kc, SLOW_EXIT.format(s=2))
     replied = time.monotonic() - started
@@ -305,11 +319,11 @@ def spare_of(replica: int, last_cell: int) -> int:
                     "the replica to fork the next cell's process")
 
 
-def test_the_next_gpu_cells_process_is_forked_before_the_cell_comes_and_runs_it(gpu_kernel):
+def test_the_next_gpu_cells_process_is_forked_before_the_cell_comes_and_runs_it(fresh_gpu_kernel):
     """After a GPU cell the replica forks the next cell's process at once (it gets ready while the
     user reads the output: gpuhub/kernel/cell_process.py); the next cell runs in that process, with
     every change of the cell before it."""
-    _, kc, _ = gpu_kernel
+    _, kc, _ = fresh_gpu_kernel
     run(kc, "x = 1")  # the first cells' processes import what cells need: the replica follows
     _, out = run(kc, "import os\nx += 1\nprint(os.getpid(), os.getppid())")
     cell_pid, replica = (int(v) for v in out["stdout"].split())
@@ -338,8 +352,8 @@ def test_a_cell_in_a_process_forked_before_its_request_sees_that_request(gpu_ker
     assert "".join(printed).split() == [str(spare), request, request]
 
 
-def test_a_spare_cell_process_that_died_waiting_is_replaced_and_the_cell_runs(gpu_kernel):
-    _, kc, _ = gpu_kernel
+def test_a_spare_cell_process_that_died_waiting_is_replaced_and_the_cell_runs(fresh_gpu_kernel):
+    _, kc, _ = fresh_gpu_kernel
     run(kc, "x = 1")
     _, out = run(kc, "import os\nx += 1\nprint(os.getpid(), os.getppid())")
     cell_pid, replica = (int(v) for v in out["stdout"].split())
@@ -465,3 +479,63 @@ def test_modules_a_cell_imported_are_imported_by_the_replica_for_the_next_cells(
     assert reply["status"] == "ok" and "Beautiful is better than ugly." in out["stdout"]
     wait_for(lambda: run(kc, check)[1] == {"stdout": "True\n", "stderr": "", "results": [], "errors": [],
                                             "displays": []}, 30, "the replica to import the module")
+
+
+# --- the lingering lease: a cell's process stays for the kernel's next cell ----
+def test_quick_successive_gpu_cells_run_warm_in_the_last_cells_process(gpu_kernel):
+    """After a GPU cell its process (CUDA context, GPU memory) stays for the next cell under the
+    same lease, which lingers: not committed, but held. The next cell runs there, sees every change,
+    and what it changes comes back to the replica as from any cell's process."""
+    agent, kc, _ = gpu_kernel
+    reply, out = run(kc, "import os\nfirst = os.getpid()\nx = [1]\ngen = (i for i in range(2))")
+    assert reply["status"] == "ok" and "'gen'" in out["stderr"], out
+    wait_for(lambda: lingering(agent) == 1, 30, "the cell's lease to linger")
+    assert committed(agent) == 0
+    [lease] = agent.call("GET", "/api/v1/node")[1]["leases"]
+    assert lease["lingering_pid"]
+    reply, out = run(kc, "x.append(2)\nprint(os.getpid() == first, x, 'gen' in dir())")
+    # the value that could not be replicated is gone, as in a process forked for this cell
+    assert reply["status"] == "ok" and out["stdout"].strip() == "True [1, 2] False", out
+    assert agent.call("GET", "/api/v1/node")[1]["leases"][0]["lease_id"] == lease["lease_id"]
+    reply, out = run(kc, "1/0")
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
+    reply, out = run(kc, "print(os.getpid() == first, x)")
+    assert out["stdout"].strip() == "True [1, 2]", out
+
+
+def test_another_kernel_takes_a_lingering_gpu_at_once_and_the_first_kernel_loses_nothing(make_agent):
+    """One GPU: kernel A's last cell's process lingers on it. Kernel B's cell gets the GPU at once:
+    the agent kills A's idle process (its exit frees the GPU's memory) and takes its lease back.
+    A's next cell runs in a new process with A's namespace as it was."""
+    agent = make_agent("gpunode", gpus=1)
+    a, _ = start_kernel(agent, name="gpuhub-kernel-ka")
+    b, _ = start_kernel(agent, name="gpuhub-kernel-kb")
+    try:
+        _, out = run(a, "import os\nx = 41\nprint(os.getpid())")
+        a_pid = int(out["stdout"])
+        wait_for(lambda: lingering(agent) == 1, 30, "A's lease to linger")
+        reply, out = run(b, "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])")
+        assert reply["status"] == "ok" and "waiting" not in out["stderr"], out
+        assert not process_alive(a_pid)
+        reclaimed = [line for line in agent.call("GET", "/metrics")[1].splitlines()
+                     if line.startswith("gpuhub_agent_leases_reclaimed_total")]
+        assert reclaimed == ['gpuhub_agent_leases_reclaimed_total{node="gpunode"} 1.0'], reclaimed
+        reply, out = run(a, "x += 1\nprint(x, os.getpid() != %d)" % a_pid, timeout=60)
+        assert reply["status"] == "ok" and out["stdout"].strip() == "42 True", out
+    finally:
+        a.stop_channels()
+        b.stop_channels()
+
+
+def test_a_lingering_process_ends_after_the_kernels_linger_time(make_agent):
+    agent = make_agent("gpunode", gpus=1)
+    kc, _ = start_kernel(agent, env={"GPUHUB_GPU_LINGER_S": "0.5"})
+    try:
+        _, out = run(kc, "import os\nx = 1\nprint(os.getpid())")
+        pid = int(out["stdout"])
+        wait_for(lambda: not process_alive(pid) and not agent.call("GET", "/api/v1/node")[1]["leases"], 30,
+                 "the lingering process to end and its lease to go back")
+        reply, out = run(kc, "print(x, os.getpid() != %d)" % pid)
+        assert reply["status"] == "ok" and out["stdout"].strip() == "1 True", out
+    finally:
+        kc.stop_channels()
