@@ -520,7 +520,7 @@ def test_another_kernel_takes_a_lingering_gpu_at_once_and_the_first_kernel_loses
         reclaimed = [line for line in agent.call("GET", "/metrics")[1].splitlines()
                      if line.startswith("gpuhub_agent_leases_reclaimed_total")]
         assert reclaimed == ['gpuhub_agent_leases_reclaimed_total{node="gpunode"} 1.0'], reclaimed
-        reply, out = run(a, "x += 1\nprint(x, os.getpid() != %d)" % a_pid, timeout=60)
+        reply, out = run(a, f"x += 1\nprint(x, os.getpid() != {a_pid})", timeout=60)
         assert reply["status"] == "ok" and out["stdout"].strip() == "42 True", out
     finally:
         a.stop_channels()
@@ -535,7 +535,7 @@ def test_a_lingering_process_ends_after_the_kernels_linger_time(make_agent):
         pid = int(out["stdout"])
         wait_for(lambda: not process_alive(pid) and not agent.call("GET", "/api/v1/node")[1]["leases"], 30,
                  "the lingering process to end and its lease to go back")
-        reply, out = run(kc, "print(x, os.getpid() != %d)" % pid)
+        reply, out = run(kc, f"print(x, os.getpid() != {pid})")
         assert reply["status"] == "ok" and out["stdout"].strip() == "1 True", out
     finally:
         kc.stop_channels()
