@@ -40,6 +40,9 @@ class AgentConfig(HttpLimits, MetricsAccess, TlsSettings):
                  help="What this node hosts: 'gpu' (kernel replicas) and/or 'notebook' (users' Jupyter servers).")
     heartbeat_interval_s = Float(5.0, config=True, help="Seconds between heartbeats to the scheduler.")
     lease_check_interval_s = Float(2.0, config=True, help="Seconds between checks for expired GPU leases.")
+    gpu_linger_s = Float(30.0, min=0.0, config=True,
+                         help="Seconds a GPU cell's process (its CUDA context and GPU memory) stays for the "
+                              "kernel's next cell while no other kernel asks for its GPUs; 0: never.")
     # Below Linux's ephemeral range (32768-60999), so no outgoing connection grabs one between
     # allocation and bind, and a known range to open between GPU nodes and notebook hosts in a firewall.
     kernel_ports = List(Int(), default_value=[20000, 29999], config=True,

@@ -59,8 +59,10 @@ class LingeringProcesses:
 
     def adopt(self, lease_id: str, pid: int, replica_pid: int | None) -> None:
         """Hold ``pid`` for ``lease_id`` if it is a live child of ``replica_pid``; LingerRefused if not."""
-        if not replica_pid or pid <= 1:
+        if not replica_pid:
             raise LingerRefused("the kernel's replica process is not known")
+        if pid <= 1:
+            raise LingerRefused(f"process {pid} is not a running cell process of this kernel")
         try:
             pidfd = os.pidfd_open(pid)
         except (OSError, AttributeError) as exc:

@@ -271,6 +271,7 @@ class Agent:
                 GPUHUB_RAFT_ADDR=raft_addr(conn),
                 GPUHUB_BLOB_ADDR=blob_addr(conn),
             )
+            env.setdefault("GPUHUB_GPU_LINGER_S", f"{self.config.gpu_linger_s:g}")
             argv = self.kernel_command(udir / CONNECTION_FILE)
             memory, cpu = limits.get("kernel_memory_max", ""), limits.get("kernel_cpu_quota", "")
         else:

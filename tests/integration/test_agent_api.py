@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
 from gpuhub.dev.portblocks import reserve_block
 from tests.helpers import wait_for
-from tests.integration.test_gpu_cells import connect, run
+from tests.integration.test_gpu_cells import connect, process_alive, run
 
 
 def start_unit(agent, name="gpuhub-kernel-t1", gpus=1):
@@ -152,6 +153,34 @@ def test_a_fenced_replica_gets_no_gpu_and_the_fence_says_what_it_holds(make_agen
     # The scheduler's call: the kernel's own lease token cannot fence or unfence.
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence", token=token)[0] == 401
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-nosuch/fence")[0] == 404
+
+
+def test_a_lease_lingers_only_on_a_process_of_the_units_own_replica(make_agent):
+    """The agent kills a lingering lease's process when another grant needs its GPUs, and it runs
+    as root: user code holding the lease token must not be able to name any other process. Here the
+    unit's main process is `start_unit`'s (not a kernel): no process qualifies but its children."""
+    a = make_agent(gpus=1)
+    start_unit(a, gpus=1)
+    token = _lease_token(a, "gpuhub-kernel-t1")
+    lease = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[1]["lease_id"]
+    stranger = subprocess.Popen(["sleep", "60"])  # another process of the same user: not the unit's child
+    try:
+        for pid in (stranger.pid, os.getpid(), 1):
+            status, body = a.call("POST", f"/api/v1/leases/{lease}/linger", {"pid": pid}, token=token)
+            assert status == 400 and "is not a running cell process of this kernel" in body["error"], body
+        assert process_alive(stranger.pid)
+        for bad, message in (({}, "missing field 'pid'"), ({"pid": "1"}, "field 'pid' must be of type int"),
+                             ({"pid": 5, "waited_s": -1}, "waited_s must be seconds")):
+            status, body = a.call("POST", f"/api/v1/leases/{lease}/linger", bad, token=token)
+            assert status == 400 and message in body["error"], body
+        node = a.call("GET", "/api/v1/node")[1]
+        assert node["committed"] == 1 and node["lingering"] == 0  # refused: the lease stays as it was
+        assert a.call("POST", f"/api/v1/leases/{lease}/resume", {}, token=token)[0] == 409  # not lingering
+        assert a.call("POST", "/api/v1/leases/nosuch/linger", {"pid": stranger.pid}, token=token)[0] == 404
+        assert a.call("POST", f"/api/v1/leases/{lease}/linger", {"pid": stranger.pid})[0] == 401
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def _lease_token(agent, unit):

@@ -9,7 +9,10 @@ same GPU is the anchor. What is checked here cannot be checked with fake GPUs:
   also after the executor replica is killed (the tensors come back onto the GPU on another replica);
 - only the cell's child holds a CUDA context (NVML lists it), never a replica process, which
   forks the next cell's child;
-- the GPU memory a cell's child held is free again once its grant has ended.
+- quick successive cells run in one warm process (a lingering lease): its CUDA context and the
+  namespace's tensors stay on the GPU between them;
+- the GPU memory a cell's child held is free again once its grant has ended (here: its linger
+  time, LINGER_S, ran out).
 """
 
 from __future__ import annotations
@@ -51,10 +54,15 @@ def gpus():
     return NvmlInventory().gpus()
 
 
+# Short, so that the memory check below need not wait for the default 30 s; long enough for a cell
+# sent right after the last one's reply.
+LINGER_S = 5
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = DevCluster(tmp_path_factory.mktemp("realgpu"), nodes=3, gpus_per_node=0,
-                   agent_settings={"gpus": {"backend": "nvml"}}).start()
+                   agent_settings={"gpus": {"backend": "nvml"}, "gpu_linger_s": LINGER_S}).start()
     yield c
     c.stop()
 
@@ -127,6 +135,17 @@ def test_only_the_cells_child_holds_a_cuda_context_and_its_memory_is_freed(kerne
     # the kept tensor is still there, and back on the GPU in the next cell
     assert ok(kernel, "print(kept.device.type, int(kept.sum().item()))", timeout=120)["stdout"].split() == [
         "cuda", str(1 << 24)]
+
+
+def test_successive_cells_run_warm_in_one_process_with_their_tensors_on_the_gpu(kernel):
+    first = ok(kernel, "import os, torch\nw = torch.randn(2048, 2048, device='cuda')\npid = os.getpid()\n"
+                       "print(pid)", timeout=120)["stdout"].strip()
+    out = ok(kernel, "v = float((w @ w).norm())\nprint(os.getpid() == pid, w.device, w.data_ptr() != 0)",
+             timeout=120)["stdout"].split()
+    assert out == ["True", "cuda:0", "True"], (first, out)
+    holders = compute_pids(0)
+    assert int(first) in holders  # its context stays between the cells
+    assert not any(kernel.pid(r["id"]) in holders for r in kernel.record["replicas"])
 
 
 def test_the_replica_imports_what_the_training_cell_imported_and_cuda_still_works(kernel, cluster):
