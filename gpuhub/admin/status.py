@@ -145,14 +145,16 @@ def kernels(sched: Scheduler, args=None) -> tuple[dict, str]:
 
 
 def leases(sched: Scheduler, args=None) -> tuple[dict, str]:
-    """Every GPU lease the agents reported in their last heartbeat: who holds which GPU now."""
+    """Every GPU lease the agents reported in their last heartbeat: who holds which GPU now, and
+    whether a cell runs under it or it lingers (kept warm for the kernel's next cell)."""
     listing = sched.get("/api/v1/nodes")
     now = time.time()
     found = [{"node": n["node"], **lease} for n in listing["nodes"] for lease in n.get("leases") or []]
     rows = [(x["node"], x["lease_id"], x["holder"], ",".join(str(g) for g in x["gpus"]) or "-",
-             x.get("holder_pid") or "-", age(x.get("granted_at"), now))
+             x.get("holder_pid") or "-", age(x.get("granted_at"), now),
+             f"lingering {age(x['lingering_since'], now)}" if x.get("lingering_pid") else "cell")
             for x in sorted(found, key=lambda x: (x["node"], x.get("granted_at", 0)))]
-    return {"leases": found}, table(("node", "lease", "holder", "gpus", "pid", "held"), rows)
+    return {"leases": found}, table(("node", "lease", "holder", "gpus", "pid", "held", "state"), rows)
 
 
 def versions(sched: Scheduler, args=None) -> tuple[dict, str]:

@@ -32,8 +32,8 @@ class LingerRefused(ValueError):
     """The named process cannot linger (not the unit's replica's child, gone, or no pidfds here)."""
 
 
-def parent_pid(pid: int) -> int | None:
-    """PPid of a live (not zombie) process, or None."""
+def parent_and_uid(pid: int) -> tuple[int, int] | None:
+    """PPid and real uid of a live (not zombie) process, or None."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -42,8 +42,8 @@ def parent_pid(pid: int) -> int | None:
     if fields.get("State", "").strip().startswith("Z"):
         return None
     try:
-        return int(fields["PPid"])
-    except (KeyError, ValueError):
+        return int(fields["PPid"]), int(fields["Uid"].split()[0])
+    except (KeyError, ValueError, IndexError):
         return None
 
 
@@ -57,8 +57,9 @@ class LingeringProcesses:
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
 
-    def adopt(self, lease_id: str, pid: int, replica_pid: int | None) -> None:
-        """Hold ``pid`` for ``lease_id`` if it is a live child of ``replica_pid``; LingerRefused if not."""
+    def adopt(self, lease_id: str, pid: int, replica_pid: int | None, uid: int) -> None:
+        """Hold ``pid`` for ``lease_id`` if it is a live child of ``replica_pid`` running as ``uid``
+        (the unit's user: a pid of a replica since restarted may be another's); LingerRefused if not."""
         if not replica_pid:
             raise LingerRefused("the kernel's replica process is not known")
         if pid <= 1:
@@ -68,7 +69,7 @@ class LingeringProcesses:
         except (OSError, AttributeError) as exc:
             raise LingerRefused(f"process {pid}: {getattr(exc, 'strerror', None) or exc}") from None
         # Checked after the pidfd is open: the fd names the process that was checked, or a dead one.
-        if parent_pid(pid) != replica_pid or _exited(pidfd):
+        if parent_and_uid(pid) != (replica_pid, uid) or _exited(pidfd):
             os.close(pidfd)
             raise LingerRefused(f"process {pid} is not a running cell process of this kernel")
         self.forget(lease_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import pwd
 import re
 import secrets
 import sys
@@ -89,6 +90,7 @@ class Agent:
         # reclaimed: lingering leases ended for another grant
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0, "reclaimed": 0}
         self.lingering = LingeringProcesses()
+        self._main_pids: dict[str, int | None] = {}  # unit -> its main process, as systemd said (linger)
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
         self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
         self.quota_gate = QuotaGate()
@@ -153,8 +155,9 @@ class Agent:
         for lease in [le for le in self.book.leases.values() if le.lingering_pid is not None]:
             status = await self.runner.status(lease.holder)
             try:
-                self.lingering.adopt(lease.lease_id, lease.lingering_pid, status.main_pid if status.active else None)
-            except LingerRefused as exc:
+                self.lingering.adopt(lease.lease_id, lease.lingering_pid, status.main_pid if status.active else None,
+                                     self._unit_uid(self.units[lease.holder]))
+            except (LingerRefused, KeyError) as exc:
                 log.info("lingering lease %s of %s ends: %s", lease.lease_id, lease.holder, exc)
                 self.book.release(lease.lease_id)
 
@@ -364,6 +367,7 @@ class Agent:
         self.device_gate.forget(name)
         self.units.pop(name, None)
         self.fenced.pop(name, None)
+        self._main_pids.pop(name, None)
         self.book.unplace(name)
         self._ended(self.book.release_holder(name))
         self._leases_changed()
@@ -486,8 +490,13 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False
-        status = await self.runner.status(unit.name)
-        self.lingering.adopt(lease_id, pid, status.main_pid if status.active else None)
+        uid = self._unit_uid(unit)
+        try:  # the replica's pid as systemd said it last: asking costs a systemctl call per cell
+            self.lingering.adopt(lease_id, pid, self._main_pids.get(unit.name), uid)
+        except LingerRefused:
+            status = await self.runner.status(unit.name)
+            self._main_pids[unit.name] = status.main_pid if status.active else None
+            self.lingering.adopt(lease_id, pid, self._main_pids[unit.name], uid)
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:  # released meanwhile
             self.lingering.forget(lease_id)
@@ -526,6 +535,13 @@ class Agent:
         self._leases_changed()
         self.save()
         return lease if alive else None
+
+    @staticmethod
+    def _unit_uid(unit: UnitRecord) -> int:
+        try:
+            return pwd.getpwnam(unit.user).pw_uid
+        except KeyError:
+            raise LingerRefused(f"no user {unit.user!r} on this host") from None
 
     async def _end_lingering(self, lease: Lease) -> None:
         """End a lingering lease: its process first (its exit frees its GPU memory), then the lease."""

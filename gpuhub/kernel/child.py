@@ -156,8 +156,9 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     A cell whose "go" says ``linger`` leaves this process waiting for the kernel's next cell, with
     its CUDA context and its GPU tensors where they are (a lingering lease): the next cell then
     starts warm. Its namespace is the one the replicas hold after the cell, less the values that
-    could not be replicated (dropped here too, as a fresh process would not have them); it ends when
-    the parent closes the pipe (or the agent kills it: another kernel needs the GPUs)."""
+    could not be replicated is dropped here too (the replicas no longer have that name, so neither
+    would a fresh process). It ends when the parent closes the pipe (or the agent kills it: another
+    kernel needs the GPUs)."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     modules = frozenset(sys.modules)
     _die_with_parent()
@@ -254,7 +255,7 @@ def _run_cell(shell, cell: dict, chan: FrameWriter, known_digest, marks: dict) -
 
 def _keep_for_next_cell(shell, sent: SentImage):
     """After a cell, in a process that stays for the next one: the namespace as the replicas have
-    it (what could not be replicated is gone, as in a process forked for the next cell), and a
+    it (a value that could not be replicated is gone there: gpuhub.kernel.image.install), and a
     write tracker over its large buffers, so that the next image hashes only what that cell wrote.
     Returns the next capture's ``known_digest``."""
     for name in sent.failed:

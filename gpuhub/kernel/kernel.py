@@ -486,8 +486,13 @@ class GpuhubKernel(IPythonKernel):
             grant.waited_s = waited_s
         if rep.state.execution_count:
             self.shell.execution_count = rep.state.execution_count
-        return await self._run_here(cell, attempt, grant, code, silent, store_history,
-                                    user_expressions, allow_stdin, cell_meta, cell_id)
+        try:
+            return await self._run_here(cell, attempt, grant, code, silent, store_history,
+                                        user_expressions, allow_stdin, cell_meta, cell_id)
+        except BaseException:
+            if self._lingering is not None and self._lingering.state is None:  # never kept: it must not hold on
+                self._end_lingering()
+            raise
 
     async def _run_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
                         allow_stdin, cell_meta, cell_id) -> dict:

@@ -436,8 +436,10 @@ def opens_in_unit(cluster, node: str, unit: str, user: str) -> dict[str, str]:
 
 def test_a_cell_opens_only_its_granted_gpu_and_nothing_opens_one_outside_a_grant(cluster, alice, alice_kernel):
     """Device access per grant (gpuhub/agent/device_gate.py): CUDA_VISIBLE_DEVICES is only a promise,
-    so the kernel's cgroup lets a cell open its granted GPU's node and no other; between cells its
-    kernel, and always the user's server, open none."""
+    so the kernel's cgroup lets a cell open its granted GPU's node and no other; between cells only
+    while the cell's process lingers on its lease (kept for the next cell), and once another kernel
+    takes that GPU (the agent kills the idle process: it is the kernel's replica's child) none; the
+    user's server never opens one."""
     kid, channel = alice_kernel
     out = channel.run("import os, socket; print(socket.gethostname(), os.environ['CUDA_VISIBLE_DEVICES'])\n"
                       + OPEN_FAKE_GPUS)
@@ -450,6 +452,17 @@ def test_a_cell_opens_only_its_granted_gpu_and_nothing_opens_one_outside_a_grant
 
     assert wait_for(lambda: node_info(cluster, host)["committed"] == 0, 15), "GPU still committed after the cell"
     unit = replica_units(cluster, kid)[host]["name"]
+    lingering = wait_for(lambda: [le for le in node_info(cluster, host)["leases"]
+                                  if le["holder"] == unit and le["lingering_pid"]], 15)
+    assert lingering, node_info(cluster, host)["leases"]
+    assert unit_props(cluster, host, unit, "DeviceAllow")["DeviceAllow"] == f"/dev/gpuhub-fake-gpu{granted} rw"
+    hog = hold_every_gpu(cluster, host)  # takes the lingering GPU back at once
+    try:
+        assert not [le for le in node_info(cluster, host)["leases"] if le["holder"] == unit]
+        state = cluster.exec(host, "sh", "-c", f"grep ^State: /proc/{lingering[0]['lingering_pid']}/status || true")
+        assert not state.strip() or "zombie" in state, f"the lingering process outlived its lease: {state}"
+    finally:
+        let_go(cluster, host, hog)
     # systemctl show leaves out an empty DeviceAllow=
     assert wait_for(lambda: "gpuhub-fake-gpu" not in unit_props(cluster, host, unit, "DeviceAllow").get(
         "DeviceAllow", ""), 15), unit_props(cluster, host, unit, "DeviceAllow")

@@ -75,7 +75,9 @@ def test_nodes_kernels_leases_and_versions(cluster):
             return [x for x in json.loads(out.stdout)["leases"] if x["holder"] == "gpuhub-kernel-adminhog-r0"]
         held = wait_for(the_hog_leases, 30, "the hog's lease in gpuhub leases")
         assert held[0]["node"] == node and len(held[0]["gpus"]) == 1
-        assert "gpuhub-kernel-adminhog-r0" in gpuhub_cli("leases", "--config", config).stdout
+        [row] = [line.split() for line in gpuhub_cli("leases", "--config", config).stdout.splitlines()
+                 if "gpuhub-kernel-adminhog-r0" in line]
+        assert row[-1] == "cell"  # a cell runs under it (a lingering one says "lingering <age>")
 
         versions = json.loads(gpuhub_cli("version", "--config", config, "--json").stdout)
         assert versions["cli"] == versions["scheduler"] == gpuhub.__version__

@@ -333,11 +333,11 @@ def test_the_next_gpu_cells_process_is_forked_before_the_cell_comes_and_runs_it(
     assert spare_of(replica, spare) not in (spare, cell_pid)  # a new one for the cell after
 
 
-def test_a_cell_in_a_process_forked_before_its_request_sees_that_request(gpu_kernel):
+def test_a_cell_in_a_process_forked_before_its_request_sees_that_request(fresh_gpu_kernel):
     """User code that asks which request it answers (IPython's parent_header, the kernel's
     get_parent(), as widget and progress-bar libraries do) gets this cell's, as in ipykernel, though
     its process was forked before the request came."""
-    _, kc, _ = gpu_kernel
+    _, kc, _ = fresh_gpu_kernel
     run(kc, "x = 1")
     _, out = run(kc, "import os\nprint(os.getpid(), os.getppid())")
     cell_pid, replica = (int(v) for v in out["stdout"].split())
@@ -487,20 +487,30 @@ def test_quick_successive_gpu_cells_run_warm_in_the_last_cells_process(gpu_kerne
     same lease, which lingers: not committed, but held. The next cell runs there, sees every change,
     and what it changes comes back to the replica as from any cell's process."""
     agent, kc, _ = gpu_kernel
-    reply, out = run(kc, "import os\nfirst = os.getpid()\nx = [1]\ngen = (i for i in range(2))")
-    assert reply["status"] == "ok" and "'gen'" in out["stderr"], out
+    reply, out = run(kc, "import os\nfirst = os.getpid()\nx = [1]")
+    assert reply["status"] == "ok", out
     wait_for(lambda: lingering(agent) == 1, 30, "the cell's lease to linger")
     assert committed(agent) == 0
     [lease] = agent.call("GET", "/api/v1/node")[1]["leases"]
-    assert lease["lingering_pid"]
-    reply, out = run(kc, "x.append(2)\nprint(os.getpid() == first, x, 'gen' in dir())")
-    # the value that could not be replicated is gone, as in a process forked for this cell
-    assert reply["status"] == "ok" and out["stdout"].strip() == "True [1, 2] False", out
+    assert lease["lingering_pid"] == int(run(kc, "print(os.getpid())")[1]["stdout"])
+    reply, out = run(kc, "x.append(2)\nprint(os.getpid() == first, x)")
+    assert reply["status"] == "ok" and out["stdout"].strip() == "True [1, 2]", out
     assert agent.call("GET", "/api/v1/node")[1]["leases"][0]["lease_id"] == lease["lease_id"]
     reply, out = run(kc, "1/0")
     assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
-    reply, out = run(kc, "print(os.getpid() == first, x)")
-    assert out["stdout"].strip() == "True [1, 2]", out
+    printed = []  # as in a process forked for it, the cell sees the request it answers
+    reply = kc.execute_interactive(
+        "print(os.getpid() == first, get_ipython().parent_header['header']['msg_id'], "
+        "get_ipython().kernel.get_parent()['header']['msg_id'])", timeout=30,
+        output_hook=lambda m: printed.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
+    request = reply["parent_header"]["msg_id"]
+    assert "".join(printed).split() == ["True", request, request]
+    # A value that cannot be replicated is gone from the replicas: from this process too, as it
+    # would be from one forked for the next cell.
+    reply, out = run(kc, "gen = (i for i in range(2))\nprint(os.getpid() == first, x)")
+    assert reply["status"] == "ok" and out["stdout"].strip() == "True [1, 2]" and "'gen'" in out["stderr"], out
+    reply, out = run(kc, "print(os.getpid() == first, x, 'gen' in dir())")
+    assert out["stdout"].strip() == "True [1, 2] False", out
 
 
 def test_another_kernel_takes_a_lingering_gpu_at_once_and_the_first_kernel_loses_nothing(make_agent):

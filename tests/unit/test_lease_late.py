@@ -21,7 +21,7 @@ class Kernel(SimpleNamespace):
 
     def __init__(self, note: dict) -> None:
         super().__init__(_notes={"cell": note}, gpus=0, reaper=SimpleNamespace(wait=lambda: None),
-                         _try_grant=lambda: None, ran=[])
+                         _try_grant=lambda: None, _resume_lingering=lambda: None, ran=[])
 
     async def _execute_here(self, cell, attempt, grant, *args):
         self.ran.append(cell)
