@@ -241,6 +241,7 @@ class LeaseRequest(Body):
 
     gpus: int
     holder_pid: int = None  # lets the agent see the holder die before its unit does
+    reclaim: bool = True  # take back other kernels' lingering GPUs if those are what it takes
 
     @field_validator("gpus")
     @classmethod
@@ -258,7 +259,7 @@ class LeasesHandler(AgentHandler):
         body = self.parse_body(LeaseRequest)
         gpus, pid = body.gpus, body.holder_pid
         try:
-            lease = await self.agent.grant_opened(unit, gpus, pid)
+            lease = await self.agent.grant_opened(unit, gpus, pid, reclaim=body.reclaim)
         except LeaseError as exc:
             raise ApiError(400, str(exc)) from None
         except DeviceGateError as exc:

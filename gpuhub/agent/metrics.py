@@ -41,9 +41,11 @@ class AgentCollector:
             units.add_metric([node, kind], sum(1 for u in a.units.values() if u.kind == kind))
         yield units
         oldest = GaugeMetricFamily("gpuhub_agent_lease_oldest_seconds",
-                                   "How long the oldest GPU lease held now has been held (0: none)", labels=["node"])
+                                   "How long the oldest GPU lease a cell runs under now has been held (0: none)",
+                                   labels=["node"])
         now = time.time()
-        oldest.add_metric([node], max((now - lease.granted_at for lease in a.book.leases.values()), default=0.0))
+        oldest.add_metric([node], max((now - lease.granted_at for lease in a.book.leases.values()
+                                       if lease.lingering_pid is None), default=0.0))
         yield oldest
         for key in ("granted", "refused", "expired", "released", "reclaimed"):
             c = CounterMetricFamily(f"gpuhub_agent_leases_{key}", f"GPU lease requests {key}", labels=["node"])

@@ -7,6 +7,7 @@ and forgets nothing (docs/architecture.md D5).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -62,6 +63,8 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # the new replica, change the group, stop the old one), short enough that a lost "call it off"
 # costs that replica its GPUs for a few minutes at most.
 FENCE_S = 180.0
+# A lingering lease older than the kernel's linger time by this much is taken back by the agent.
+LINGER_SLACK_S = 60.0
 
 
 class Agent:
@@ -90,6 +93,7 @@ class Agent:
         # reclaimed: lingering leases ended for another grant
         self.counters = {"granted": 0, "refused": 0, "expired": 0, "released": 0, "reclaimed": 0}
         self.lingering = LingeringProcesses()
+        self._background: set[asyncio.Task] = set()  # lingering leases being taken back
         self._main_pids: dict[str, int | None] = {}  # unit -> its main process, as systemd said (linger)
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
         self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
@@ -369,7 +373,10 @@ class Agent:
         self.fenced.pop(name, None)
         self._main_pids.pop(name, None)
         self.book.unplace(name)
-        self._ended(self.book.release_holder(name))
+        gone = self.book.release_holder(name)
+        for lease in gone:
+            self.lingering.forget(lease.lease_id)  # its processes stop with the unit
+        self._ended(gone)
         self._leases_changed()
 
     async def unit_status(self, name: str, with_error: bool = False) -> dict | None:
@@ -441,16 +448,13 @@ class Agent:
         # never added to: user code can read the unit's lease token, and must not collect GPUs
         # beyond the kernel's placement with it.
         for old in [le for le in self.book.leases.values() if le.holder == unit.name]:
-            self.lingering.kill(old.lease_id)
+            if old.lingering_pid is not None:
+                self._take_back_soon([old])  # released once its process has exited
+                continue
             self._ended([self.book.release(old.lease_id)])
             self.counters["released"] += 1
             log.warning("%s asked for a lease while holding %s; that one is released", unit.name, old.lease_id)
-        try:
-            self.quota_gate.check(unit.user, unit.kernel_id, gpus, self._active_leases(), self.meter)
-        except QuotaRefused as exc:
-            self.quota_refusals[exc.limit] += 1
-            log.info("%s: no lease for %s's cell: %s", unit.name, unit.user, exc)
-            raise
+        self._check_quota(unit, gpus)
         lease = self.book.grant(gpus, unit.name, time.time(), holder_pid=holder_pid, user=unit.user,
                                 kernel_id=unit.kernel_id)
         self.counters["granted" if lease else "refused"] += 1
@@ -459,18 +463,22 @@ class Agent:
             self.save()
         return lease
 
-    async def grant_opened(self, unit: UnitRecord, gpus: int, holder_pid: int | None) -> Lease | None:
+    async def grant_opened(self, unit: UnitRecord, gpus: int, holder_pid: int | None,
+                           reclaim: bool = True) -> Lease | None:
         """``grant``, answered once the unit may open the granted GPUs' device nodes: a cell must not
-        start before. DeviceGateError when they cannot be opened to it (the grant is given back)."""
-        for own in [le for le in self.book.leases.values() if le.holder == unit.name and le.lingering_pid is not None]:
-            await self._end_lingering(own)  # asked anew (an election): its warm process ends first
-        lease = self.grant(unit, gpus, holder_pid)
-        if lease is None and self.fenced.get(unit.name, 0.0) <= time.monotonic():
+        start before. DeviceGateError when they cannot be opened to it (the grant is given back).
+        ``reclaim``: GPUs that other kernels' lingering leases hold are taken back for it (their
+        processes end first); an election's tentative asks go without, at first (the kernel)."""
+        own = [le for le in self.book.leases.values() if le.holder == unit.name and le.lingering_pid is not None]
+        if own:  # asked anew (an election): its warm process ends first
+            await self._take_back(own)
+        if (reclaim and gpus <= unit.gpus and self.book.free < gpus
+                and self.fenced.get(unit.name, 0.0) <= time.monotonic()):
             taken = self.book.reclaimable(gpus)
             if taken:  # GPUs kept warm for other kernels' next cells: this cell needs them now
-                for other in taken:
-                    await self._end_lingering(other)
-                lease = self.grant(unit, gpus, holder_pid)
+                self._check_quota(unit, gpus)  # a refused ask must not cost others their warm GPUs
+                await self._take_back(taken, reclaimed=True)
+        lease = self.grant(unit, gpus, holder_pid)
         if lease is not None:
             try:
                 await self.device_gate.ready(unit.name)
@@ -482,6 +490,14 @@ class Agent:
     def _active_leases(self) -> list[Lease]:
         return [le for le in self.book.leases.values() if le.lingering_pid is None]
 
+    def _check_quota(self, unit: UnitRecord, gpus: int) -> None:
+        try:
+            self.quota_gate.check(unit.user, unit.kernel_id, gpus, self._active_leases(), self.meter)
+        except QuotaRefused as exc:
+            self.quota_refusals[exc.limit] += 1
+            log.info("%s: no lease for %s's cell: %s", unit.name, unit.user, exc)
+            raise
+
     async def linger(self, unit: UnitRecord, lease_id: str, pid: int, waited_s: float | None = None) -> bool:
         """The cell under ``lease_id`` is over and its process ``pid`` keeps the GPUs warm for the
         unit's next cell, until another grant needs them (gpuhub/agent/lingering.py). False: no
@@ -490,6 +506,8 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False
+        if self.config.gpu_linger_s <= 0:
+            raise LingerRefused("GPUs do not linger between cells on this server (gpu_linger_s = 0)")
         uid = self._unit_uid(unit)
         try:  # the replica's pid as systemd said it last: asking costs a systemctl call per cell
             self.lingering.adopt(lease_id, pid, self._main_pids.get(unit.name), uid)
@@ -518,23 +536,22 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name or lease.lingering_pid is None:
             return None
-        alive = self.lingering.alive(lease_id)
-        self.lingering.forget(lease_id)  # from now on the kernel ends its process, never the agent
-        if alive:
-            try:
-                self.quota_gate.check(unit.user, unit.kernel_id, len(lease.gpus), self._active_leases(), self.meter)
-            except QuotaRefused as exc:
-                self.quota_refusals[exc.limit] += 1
-                self.book.release(lease_id)
-                self._leases_changed()
-                self.save()
-                raise
-            self.book.resume(lease_id, time.time())
-        else:
+        if self.lingering.ending(lease_id):
+            return None  # being taken back: released once its process has exited
+        if not self.lingering.alive(lease_id):  # its process died on its own: the GPUs are free
+            self.lingering.forget(lease_id)
             self.book.release(lease_id)
+        else:
+            try:
+                self._check_quota(unit, len(lease.gpus))
+            except QuotaRefused:
+                self._take_back_soon([lease])
+                raise
+            self.lingering.forget(lease_id)  # a cell runs in it again: the kernel ends it, never the agent
+            self.book.resume(lease_id, time.time())
         self._leases_changed()
         self.save()
-        return lease if alive else None
+        return self.book.leases.get(lease_id)
 
     @staticmethod
     def _unit_uid(unit: UnitRecord) -> int:
@@ -543,14 +560,30 @@ class Agent:
         except KeyError:
             raise LingerRefused(f"no user {unit.user!r} on this host") from None
 
-    async def _end_lingering(self, lease: Lease) -> None:
-        """End a lingering lease: its process first (its exit frees its GPU memory), then the lease."""
-        await self.lingering.end(lease.lease_id)
-        if self.book.release(lease.lease_id) is not None:
-            self.counters["reclaimed"] += 1
-            log.info("lingering lease %s of %s taken back for another cell", lease.lease_id, lease.holder)
+    async def _take_back(self, leases: list[Lease], reclaimed: bool = False) -> None:
+        """End lingering leases: every process is killed at once, and each lease is released once
+        its process has exited (the driver frees its GPU memory then: G1) or EXIT_WAIT_S passed.
+        ``reclaimed``: for another kernel's grant (counted)."""
+        ending = [(lease, lease.lingering_pid, self.lingering.end(lease.lease_id)) for lease in leases]
+        for lease, pid, exited in ending:
+            await exited
+            current = self.book.leases.get(lease.lease_id)
+            if current is None or current.lingering_pid != pid:
+                continue  # released meanwhile (another ask took it back too)
+            self.book.release(lease.lease_id)
+            if reclaimed:
+                self.counters["reclaimed"] += 1
+                log.info("lingering lease %s of %s taken back for another cell", lease.lease_id, lease.holder)
             self._leases_changed()
             self.save()
+
+    def _take_back_soon(self, leases: list[Lease]) -> None:
+        """``_take_back`` from a caller that cannot wait (the processes are killed now)."""
+        if not leases:
+            return
+        task = asyncio.ensure_future(self._take_back(leases))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def fence(self, name: str) -> list[str] | None:
         """Grant no more GPUs to unit ``name``, which a migration or a drain is about to take out of
@@ -562,12 +595,10 @@ class Agent:
         if name not in self.units:
             return None
         self.fenced[name] = time.monotonic() + FENCE_S
-        for lease in [le for le in self.book.leases.values() if le.holder == name and le.lingering_pid is not None]:
-            self.lingering.kill(lease.lease_id)  # no cell runs under it: it must not hold the move up
-            self.book.release(lease.lease_id)
-            self._leases_changed()
-            self.save()
-        return sorted(le.lease_id for le in self.book.leases.values() if le.holder == name)
+        held = [le for le in self.book.leases.values() if le.holder == name]
+        # no cell runs under a lingering lease: it must not hold the move up
+        self._take_back_soon([le for le in held if le.lingering_pid is not None])
+        return sorted(le.lease_id for le in held if le.lingering_pid is None)
 
     def unfence(self, name: str) -> None:
         """The move did not happen: ``name`` may take GPUs again."""
@@ -579,7 +610,12 @@ class Agent:
         lease = self.book.leases.get(lease_id)
         if lease is None or lease.holder != unit.name:
             return False  # idempotent; and a unit can only release its own leases
-        self.lingering.kill(lease_id)  # the kernel ends its lingering process first; this is in case
+        if lease.lingering_pid is not None and self.lingering.alive(lease_id):
+            # the kernel ends its lingering process before it releases; one still running is ended
+            # first, and its lease goes back once it has exited (G1)
+            self._take_back_soon([lease])
+            return True
+        self.lingering.forget(lease_id)
         self._ended([self.book.release(lease_id)])
         self.counters["released"] += 1
         if waited_s is not None:
@@ -642,8 +678,16 @@ class Agent:
             st = await self.runner.status(name)
             if not st.active:
                 dead_units.add(name)
+        now = time.time()
+        # The kernel ends a lingering lease after gpu_linger_s; one left longer (a kernel that lost
+        # track of it) is taken back here.
+        overdue = [le for le in self.book.leases.values() if le.lingering_pid is not None
+                   and now - (le.lingering_since or now) > self.config.gpu_linger_s + LINGER_SLACK_S
+                   and not self.lingering.ending(le.lease_id)]
+        if overdue:
+            self._take_back_soon(overdue)
         gone = self.book.expire(
-            time.time(), lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
+            now, lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
             and (lease.lingering_pid is None or self.lingering.alive(lease.lease_id)))
         for lease in gone:
             self.lingering.forget(lease.lease_id)

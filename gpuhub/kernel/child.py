@@ -184,11 +184,13 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
             kernel.set_parent(cell.get("request_ident"), cell["request"], "shell")  # the shell's too
         sent = _run_cell(shell, cell, chan, known_digest, marks)
         sent.imported = imported_since(modules)
+        if cell.get("linger"):  # armed before the image's bytes go: a write from then on is seen
+            known_digest = _keep_for_next_cell(shell, sent)
         marks["sent"] = time.monotonic()
         chan.send("image", sent, marks)
         if not cell.get("linger"):
             return
-        known_digest = _keep_for_next_cell(shell, sent)
+        sent = None  # the host copies of GPU tensors it holds are freed before the wait
         go = replies.recv_blocking()
         if go is None or go[0] != "go":
             return
@@ -260,7 +262,7 @@ def _keep_for_next_cell(shell, sent: SentImage):
     Returns the next capture's ``known_digest``."""
     for name in sent.failed:
         shell.user_ns.pop(name, None)
-    temporary = devices.take_host_copies()  # GPU tensors' host copies: freed now, never tracked
+    temporary = devices.take_host_copies()  # GPU tensors' host copies: never tracked (freed once sent)
     resident = {}
     for d, _size, mv in sent.kept:
         address = images.address_of(mv)

@@ -243,6 +243,7 @@ class GpuhubKernel(IPythonKernel):
                                   cell_meta=None, cell_id=None) -> dict:
         rep = self.replica
         cell = self.get_parent("shell")["header"]["msg_id"]
+        self._drop_warm()  # taken by the last cell's _run_child; left only by an error
         self._cell_arrived = time.monotonic()
         self._interrupted.clear()
         rep.interrupted.clear()
@@ -264,11 +265,15 @@ class GpuhubKernel(IPythonKernel):
         attempt = rep.next_attempt(cell, -1)
         moves = MoveRequests(self.lease_client)
         group = set(rep.peers)  # a change during this cell: a replica moved for it (a migration)
+        # Every replica asks its agent; most give the grant back at once. The first round ends no
+        # other kernel's warm process for that: only if no replica got GPUs without it, the next does.
+        reclaim = False
         while True:
             asked = time.monotonic()
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
             reaped = time.monotonic()
-            grant = self._try_grant()
+            grant = self._try_grant(reclaim)
+            tentative, reclaim = not reclaim, True
             granted = time.monotonic()
             try:
                 decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
@@ -305,7 +310,7 @@ class GpuhubKernel(IPythonKernel):
                     rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
             election = rep.state.elections.get((cell, attempt))
             announcer = min(election.proposals) if election and election.proposals else rep.id
-            if announcer == rep.id:
+            if announcer == rep.id and not tentative:  # a round that reclaimed nothing says nothing yet
                 # a move takes a replica out of the group for a while: only a whole group can afford it
                 target = moves.ask(waited) if rep.group_whole() else None
                 if target is not None and target != moves.told:
@@ -325,7 +330,7 @@ class GpuhubKernel(IPythonKernel):
                     told = waited
             if grant is None:  # a replica whose LEAD came after the attempt was decided tries again at once
                 rep.wait_for_later_attempt(cell, attempt, backoff, self._interrupted)
-                backoff = min(backoff * 2, 2.0)
+                backoff = backoff if tentative else min(backoff * 2, 2.0)
             attempt = rep.next_attempt(cell, attempt)
 
     async def _run_under_lease(self, rep, cell, code, silent, store_history, user_expressions, allow_stdin,
@@ -446,9 +451,10 @@ class GpuhubKernel(IPythonKernel):
                                self.replica.state.execution_count or self.shell.execution_count)
             self._unfinished = None
 
-    def _try_grant(self):
+    def _try_grant(self, reclaim: bool = True):
         """The kernel's GPUs from this replica's agent now, or None. A quota refusal is kept in
-        ``_quota_refusal``: if no replica gets the GPUs, the cell ends with it (never a silent wait)."""
+        ``_quota_refusal``: if no replica gets the GPUs, the cell ends with it (never a silent wait).
+        ``reclaim``: also by ending other kernels' lingering processes (gpuhub/agent/lingering.py)."""
         self._quota_refusal = None
         if self.gpus == 0:
             return None
@@ -457,7 +463,7 @@ class GpuhubKernel(IPythonKernel):
         from gpuhub.kernel.lease_client import LeaseError, QuotaExceeded
 
         try:
-            return self.lease_client.try_grant(self.gpus)
+            return self.lease_client.try_grant(self.gpus, reclaim)
         except QuotaExceeded as exc:
             self._quota_refusal = str(exc)
             return None
@@ -474,9 +480,8 @@ class GpuhubKernel(IPythonKernel):
         # Every committed image is applied here before the cell runs (this replica may have
         # missed cells: the router skipped it, or it was stopped for a while).
         if not rep.up_to_date() and not rep.sync_namespace(self.shell.user_ns, self.shell.user_ns_hidden):
-            warm, self._warm = self._warm, None
-            if warm is not None:
-                warm.end(self.reaper)
+            if self._warm is not None:
+                self._drop_warm()
             elif grant is not None:
                 self.lease_client.release(grant)
             return self._ended_without_result(rep.abort(
@@ -490,6 +495,7 @@ class GpuhubKernel(IPythonKernel):
             return await self._run_here(cell, attempt, grant, code, silent, store_history,
                                         user_expressions, allow_stdin, cell_meta, cell_id)
         except BaseException:
+            self._drop_warm()
             if self._lingering is not None and self._lingering.state is None:  # never kept: it must not hold on
                 self._end_lingering()
             raise
@@ -857,6 +863,12 @@ class GpuhubKernel(IPythonKernel):
         if lingering is not None:
             lingering.end(self.reaper)
 
+    def _drop_warm(self) -> None:
+        """End a resumed lingering process that no cell took (an error before the cell ran)."""
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.end(self.reaper)
+
     # --- the next GPU cell's process, forked ahead of need (gpuhub/kernel/cell_process.py) ----
     def _spare_state(self) -> tuple:
         """What a cell's process copies from this replica and must still be so when it runs the
@@ -976,6 +988,7 @@ class GpuhubKernel(IPythonKernel):
         self._spare_wanted = False
         self._drop_spare()
         self._end_lingering()
+        self._drop_warm()
         if self.import_warmer is not None:
             self.import_warmer.close()
         if not self.reaper.wait(timeout=10):  # give the last cell's grant back before leaving

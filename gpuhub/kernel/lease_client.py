@@ -62,8 +62,11 @@ class LeaseClient:
             payload = {"error": f"HTTP {status}"}
         return status, payload if isinstance(payload, dict) else {"error": f"HTTP {status}"}
 
-    def try_grant(self, gpus: int) -> Lease | None:
-        status, body = self._call("POST", "/api/v1/leases", {"gpus": gpus, "holder_pid": os.getpid()})
+    def try_grant(self, gpus: int, reclaim: bool = True) -> Lease | None:
+        """The GPUs now, or None. ``reclaim`` False: not by ending other kernels' lingering
+        processes (an election's tentative ask, which most replicas give back at once)."""
+        status, body = self._call("POST", "/api/v1/leases", {"gpus": gpus, "holder_pid": os.getpid(),
+                                                             "reclaim": reclaim})
         if status == 200:
             return Lease(body["lease_id"], body.get("node", self.node), [g["uuid"] for g in body["gpus"]])
         if status == 409:

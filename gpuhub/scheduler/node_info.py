@@ -31,6 +31,9 @@ class LeaseInfo(Body):
     expires_at: float | None = None
     user: str = Field("", max_length=256)
     kernel_id: str = Field("", max_length=128)
+    # lingering: no cell runs under it (its kernel's last cell's process keeps the GPUs warm)
+    lingering_pid: int | None = None
+    lingering_since: float | None = None
 
 
 class NodeCounts(Body):
@@ -39,6 +42,7 @@ class NodeCounts(Body):
     gpu_count: int = Field(0, ge=0, le=MAX_GPUS)
     pending: int = Field(0, ge=0)
     committed: int = Field(0, ge=0, le=MAX_GPUS)
+    lingering: int = Field(0, ge=0, le=MAX_GPUS)  # held between a kernel's cells, taken back on demand
 
 
 class NodeInfo(NodeCounts):

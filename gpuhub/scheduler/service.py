@@ -230,7 +230,8 @@ class Scheduler:
         return answer
 
     def live_leases(self) -> list[LiveLease]:
-        """Every GPU lease the live servers reported in their last heartbeats, with its user."""
+        """Every GPU lease a cell runs under on the live servers (as their last heartbeats said),
+        with its user. Lingering leases are not: no cell runs, and quotas count cells' GPUs."""
         out = []
         by_unit: dict[str, KernelRecord] | None = None
         for rec in self.nodes.values():
@@ -238,6 +239,8 @@ class Scheduler:
                 continue
             for le in rec.info.get("leases") or ():
                 try:
+                    if le.get("lingering_pid"):
+                        continue
                     kernel_id = le.get("kernel_id") or ""
                     user = le.get("user") or ""
                     if not user:  # an agent from before quotas: the holder unit's kernel in the books

@@ -14,6 +14,7 @@ import pytest
 import zmq
 from jupyter_client import BlockingKernelClient
 
+from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
 from gpuhub.platform import curve
 from gpuhub.platform.curve import kernel_curve_keys, with_keys
@@ -524,6 +525,10 @@ def test_another_kernel_takes_a_lingering_gpu_at_once_and_the_first_kernel_loses
         _, out = run(a, "import os\nx = 41\nprint(os.getpid())")
         a_pid = int(out["stdout"])
         wait_for(lambda: lingering(agent) == 1, 30, "A's lease to linger")
+        # An election's tentative ask (reclaim false) takes nothing back: B's replica is told "busy"
+        token = ProcessRunner(str(agent.dir / "run"), 0).read_env("gpuhub-kernel-kb")["GPUHUB_LEASE_TOKEN"]
+        status, body = agent.call("POST", "/api/v1/leases", {"gpus": 1, "reclaim": False}, token=token)
+        assert status == 409 and process_alive(a_pid), body
         reply, out = run(b, "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])")
         assert reply["status"] == "ok" and "waiting" not in out["stderr"], out
         assert not process_alive(a_pid)

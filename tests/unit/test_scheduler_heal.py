@@ -219,6 +219,19 @@ def test_a_lease_reported_without_its_user_is_counted_for_its_kernels_user(tmp_p
         ("alice", "k1", 1), ("", "", 1), ("bob", "k2", 1)]
 
 
+def test_a_lingering_lease_counts_for_no_quota_and_reaches_the_books_as_lingering(tmp_path):
+    """A lingering lease holds a GPU no cell runs on (taken back when needed): the GPU quota and
+    GPU-hours count cells only, and `gpuhub leases` shows it lingering."""
+    s = scheduler_with(tmp_path, live=["gpu1"], lost=[])
+    lease = {"lease_id": "a1", "holder": "gpuhub-kernel-k1-r0", "gpus": [0], "granted_at": 100.0,
+             "user": "alice", "kernel_id": "k1"}
+    s.heartbeat({"node": "gpu1", "url": "http://gpu1:8601", "committed": 0, "lingering": 1,
+                 "leases": [{**lease, "lingering_pid": 4321, "lingering_since": 150.0},
+                            {**lease, "lease_id": "b1", "gpus": [1], "user": "bob", "kernel_id": "k2"}]})
+    assert s.nodes["gpu1"].info["leases"][0]["lingering_pid"] == 4321
+    assert [(le.user, le.kernel_id) for le in s.live_leases()] == [("bob", "k2")]
+
+
 async def test_a_drain_lets_a_running_gpu_cell_finish_before_its_replica_moves(tmp_path, monkeypatch):
     import gpuhub.scheduler.service as service
 
