@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 
@@ -164,12 +164,14 @@ class LeaseBook:
         lease.granted_at = now
         return lease
 
-    def reclaimable(self, n: int) -> list[Lease] | None:
+    def reclaimable(self, n: int, ending: Collection[str] = ()) -> list[Lease] | None:
         """The lingering leases to end so that ``n`` GPUs are free, longest lingering first ([] when
-        they are free already); None when even ending every one would not free ``n``."""
+        they are free already); None when even ending every one would not free ``n``. ``ending``:
+        leases being ended for another ask already, whose GPUs are that one's."""
         free = self.free
         taken: list[Lease] = []
-        for lease in sorted((le for le in self.leases.values() if le.lingering_pid is not None),
+        for lease in sorted((le for le in self.leases.values()
+                             if le.lingering_pid is not None and le.lease_id not in ending),
                             key=lambda le: le.lingering_since or 0.0):
             if free >= n:
                 break

@@ -24,8 +24,8 @@ import signal
 log = logging.getLogger(__name__)
 
 # A process whose exit the driver has not let happen by then (stuck in the driver after SIGKILL):
-# its lease goes back all the same, and the log says so.
-EXIT_WAIT_S = 10.0
+# its lease goes back all the same, and the log says so. Well under a kernel's 10 s for a grant.
+EXIT_WAIT_S = 4.0
 
 
 class LingerRefused(ValueError):
@@ -93,6 +93,9 @@ class LingeringProcesses:
     def ending(self, lease_id: str) -> bool:
         return lease_id in self._ending
 
+    def ending_ids(self) -> frozenset[str]:
+        return frozenset(self._ending)
+
     def alive(self, lease_id: str) -> bool:
         """Its process lives (or is being ended and has not exited yet)."""
         if lease_id in self._ending:
@@ -102,7 +105,8 @@ class LingeringProcesses:
 
     def end(self, lease_id: str) -> asyncio.Future:
         """Kill the lease's process now and return a future that is done once it has exited (True)
-        or EXIT_WAIT_S passed (False). Called again meanwhile, the same future."""
+        or EXIT_WAIT_S passed (False). Called again meanwhile, the same future. Await it through
+        ``asyncio.shield``: a waiter's cancellation must not cancel the end itself."""
         loop = asyncio.get_running_loop()
         if lease_id in self._ending:
             return self._ending[lease_id]
@@ -115,9 +119,13 @@ class LingeringProcesses:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         self._ending[lease_id] = done
 
+        finished = False
+
         def finish(exited: bool) -> None:
-            if done.done():
+            nonlocal finished
+            if finished:
                 return
+            finished = True
             loop.remove_reader(pidfd)
             timer.cancel()
             os.close(pidfd)
@@ -125,7 +133,8 @@ class LingeringProcesses:
             if not exited:
                 log.warning("lingering process of lease %s did not exit within %.0f s of SIGKILL; its lease "
                             "goes back all the same", lease_id, EXIT_WAIT_S)
-            done.set_result(exited)
+            if not done.done():
+                done.set_result(exited)
 
         timer = loop.call_later(EXIT_WAIT_S, finish, False)
         loop.add_reader(pidfd, finish, True)

@@ -471,13 +471,15 @@ class Agent:
         processes end first); an election's tentative asks go without, at first (the kernel)."""
         own = [le for le in self.book.leases.values() if le.holder == unit.name and le.lingering_pid is not None]
         if own:  # asked anew (an election): its warm process ends first
-            await self._take_back(own)
+            await self._take_back(self._start_take_back(own), "released")
         if (reclaim and gpus <= unit.gpus and self.book.free < gpus
                 and self.fenced.get(unit.name, 0.0) <= time.monotonic()):
-            taken = self.book.reclaimable(gpus)
+            taken = self.book.reclaimable(gpus, ending=self.lingering.ending_ids())
             if taken:  # GPUs kept warm for other kernels' next cells: this cell needs them now
                 self._check_quota(unit, gpus)  # a refused ask must not cost others their warm GPUs
-                await self._take_back(taken, reclaimed=True)
+                # released together once all have exited, and granted in the same step (no await
+                # between): no other ask can take the GPUs freed for this one
+                await self._take_back(self._start_take_back(taken), "reclaimed")
         lease = self.grant(unit, gpus, holder_pid)
         if lease is not None:
             try:
@@ -560,28 +562,34 @@ class Agent:
         except KeyError:
             raise LingerRefused(f"no user {unit.user!r} on this host") from None
 
-    async def _take_back(self, leases: list[Lease], reclaimed: bool = False) -> None:
-        """End lingering leases: every process is killed at once, and each lease is released once
-        its process has exited (the driver frees its GPU memory then: G1) or EXIT_WAIT_S passed.
-        ``reclaimed``: for another kernel's grant (counted)."""
-        ending = [(lease, lease.lingering_pid, self.lingering.end(lease.lease_id)) for lease in leases]
-        for lease, pid, exited in ending:
-            await exited
+    def _start_take_back(self, leases: list[Lease]) -> list[tuple[Lease, int | None, asyncio.Future]]:
+        """Kill the processes of lingering leases now (from here on they are being ended: resume
+        refuses them, expiry waits); ``_take_back`` finishes."""
+        return [(lease, lease.lingering_pid, self.lingering.end(lease.lease_id)) for lease in leases]
+
+    async def _take_back(self, ending: list[tuple[Lease, int | None, asyncio.Future]], counter: str) -> None:
+        """Once every one of these processes has exited (the driver frees their GPU memory then:
+        G1) or EXIT_WAIT_S passed, release their leases together, counted under ``counter``."""
+        await asyncio.gather(*(asyncio.shield(exited) for _, _, exited in ending))
+        changed = False
+        for lease, pid, _ in ending:
             current = self.book.leases.get(lease.lease_id)
             if current is None or current.lingering_pid != pid:
                 continue  # released meanwhile (another ask took it back too)
             self.book.release(lease.lease_id)
-            if reclaimed:
-                self.counters["reclaimed"] += 1
-                log.info("lingering lease %s of %s taken back for another cell", lease.lease_id, lease.holder)
+            self.counters[counter] += 1
+            log.info("lingering lease %s of %s taken back (%s)", lease.lease_id, lease.holder, counter)
+            changed = True
+        if changed:
             self._leases_changed()
             self.save()
 
-    def _take_back_soon(self, leases: list[Lease]) -> None:
-        """``_take_back`` from a caller that cannot wait (the processes are killed now)."""
+    def _take_back_soon(self, leases: list[Lease], counter: str = "released") -> None:
+        """Take lingering leases back from a caller that cannot wait: their processes are killed
+        now, the leases released once those have exited."""
         if not leases:
             return
-        task = asyncio.ensure_future(self._take_back(leases))
+        task = asyncio.get_running_loop().create_task(self._take_back(self._start_take_back(leases), counter))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -685,7 +693,7 @@ class Agent:
                    and now - (le.lingering_since or now) > self.config.gpu_linger_s + LINGER_SLACK_S
                    and not self.lingering.ending(le.lease_id)]
         if overdue:
-            self._take_back_soon(overdue)
+            self._take_back_soon(overdue, "expired")
         gone = self.book.expire(
             now, lambda lease: lease.holder not in dead_units and pid_alive(lease.holder_pid)
             and (lease.lingering_pid is None or self.lingering.alive(lease.lease_id)))

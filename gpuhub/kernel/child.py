@@ -22,6 +22,7 @@ import pickle
 import signal
 import sys
 import time
+import traceback
 import types
 from dataclasses import dataclass, field
 
@@ -184,11 +185,16 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
             kernel.set_parent(cell.get("request_ident"), cell["request"], "shell")  # the shell's too
         sent = _run_cell(shell, cell, chan, known_digest, marks)
         sent.imported = imported_since(modules)
-        if cell.get("linger"):  # armed before the image's bytes go: a write from then on is seen
-            known_digest = _keep_for_next_cell(shell, sent)
+        stay = bool(cell.get("linger"))
+        if stay:  # armed before the image's bytes go: a write from then on is seen
+            try:
+                known_digest = _keep_for_next_cell(shell, sent)
+            except Exception:  # the cell's image goes all the same; this process then ends
+                traceback.print_exc(file=sys.__stderr__)
+                stay = False
         marks["sent"] = time.monotonic()
         chan.send("image", sent, marks)
-        if not cell.get("linger"):
+        if not stay:
             return
         sent = None  # the host copies of GPU tensors it holds are freed before the wait
         go = replies.recv_blocking()

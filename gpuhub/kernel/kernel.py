@@ -265,15 +265,17 @@ class GpuhubKernel(IPythonKernel):
         attempt = rep.next_attempt(cell, -1)
         moves = MoveRequests(self.lease_client)
         group = set(rep.peers)  # a change during this cell: a replica moved for it (a migration)
-        # Every replica asks its agent; most give the grant back at once. The first round ends no
-        # other kernel's warm process for that: only if no replica got GPUs without it, the next does.
-        reclaim = False
+        # Every replica asks its agent; most give the grant back at once. So the first round ends
+        # no other kernel's warm process (a lingering lease) for that; each later one lets one
+        # replica do so, in turn by id (attempts are numbered alike on every replica).
+        first = attempt
         while True:
             asked = time.monotonic()
             self.reaper.wait()  # the previous GPU cell's grant must be back before this one asks
             reaped = time.monotonic()
-            grant = self._try_grant(reclaim)
-            tentative, reclaim = not reclaim, True
+            ids = sorted(rep.peers)
+            tentative = attempt == first
+            grant = self._try_grant(reclaim=not tentative and ids[attempt % len(ids)] == rep.id)
             granted = time.monotonic()
             try:
                 decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
