@@ -156,10 +156,10 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
 
     A cell whose "go" says ``linger`` leaves this process waiting for the kernel's next cell, with
     its CUDA context and its GPU tensors where they are (a lingering lease): the next cell then
-    starts warm. Its namespace is the one the replicas hold after the cell, less the values that
-    could not be replicated is dropped here too (the replicas no longer have that name, so neither
-    would a fresh process). It ends when the parent closes the pipe (or the agent kills it: another
-    kernel needs the GPUs)."""
+    starts warm. Its namespace is the one the replicas hold after the cell: a value that could not
+    be replicated is dropped here too (the replicas no longer have that name, so neither would a
+    fresh process). It ends when the parent closes the pipe (or the agent kills it: another kernel
+    needs the GPUs)."""
     started = time.monotonic()  # the parent's debug log splits the child's time at these marks
     modules = frozenset(sys.modules)
     _die_with_parent()
