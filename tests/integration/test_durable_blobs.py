@@ -9,6 +9,9 @@ import os
 import signal
 import subprocess
 
+import pytest
+
+from gpuhub.replication.blobdisk import keep_free
 from tests.helpers import wait_for
 from tests.integration.test_replicated import (
     _restartable,
@@ -31,8 +34,20 @@ def blob_files(kernel, rid: int) -> set[str]:
         return set()
 
 
+def require_room_for_blobs(directory, nbytes: int) -> None:
+    """Fail at once, saying why, when the disk under ``directory`` is too full for a replica to keep
+    ``nbytes`` of values (the rule in gpuhub/replication/blobdisk.py): CI shares its machine's disk,
+    and a full one otherwise showed only as a 60 s wait for files that were never to be written."""
+    st = os.statvfs(directory)
+    free, needed = st.f_bavail * st.f_frsize, keep_free(st.f_blocks * st.f_frsize) + 3 * nbytes
+    if free < needed:
+        pytest.fail(f"{directory} has {free / 2**30:.1f} GiB free; this test needs {needed / 2**30:.1f} GiB "
+                    f"(replicas keep large values on disk only while that much stays free): free some disk")
+
+
 def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_kernel):  # noqa: F811
     kernel = cpu_kernel
+    require_room_for_blobs(kernel.cluster.tmp, 2_000_000 * 8)
     ok(kernel, "import numpy as np\nbig = np.arange(2_000_000) * 3\nsmall = list(range(10))\nx = 1")
     rids = [r["id"] for r in kernel.record["replicas"]]
     # After the cell, each replica writes the image's large values to disk (not on the cell's path).
