@@ -150,6 +150,12 @@ class GpuhubKernel(IPythonKernel):
             raise RuntimeError("gpuhub: a GPU kernel runs in a group of replicas and GPUHUB_PEERS_FILE "
                                "is unset; start it through the agent or `gpuhub local-kernel`")
         if self.replica is not None:
+            # ipykernel sleeps 0.5 ms between flushing a cell's output and sending its reply (a
+            # mitigation, its comment says), which every cell of three replicas paid on its path.
+            # Clients take a cell's output until its idle, which follows that output on the same
+            # socket (the router forwards the executor's idle only after its reply), so no client
+            # needs the reply to come last.
+            self._execute_sleep = 0.0
             # every GPU cell forks this process; so does a CPU cell's write-tracking sentinel
             self.replica.huge_pages = self.gpus > 0 or (
                 self.replica.settings.write_tracking == "pages" and dirty.in_process_signal() == "sentinel")
