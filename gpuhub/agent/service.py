@@ -158,8 +158,9 @@ class Agent:
         process is gone or cannot be checked ends (its kernel's next cell asks anew)."""
         for lease in [le for le in self.book.leases.values() if le.lingering_pid is not None]:
             status = await self.runner.status(lease.holder)
+            self._main_pids[lease.holder] = status.main_pid if status.active else None  # as linger() keeps it
             try:
-                self.lingering.adopt(lease.lease_id, lease.lingering_pid, status.main_pid if status.active else None,
+                self.lingering.adopt(lease.lease_id, lease.lingering_pid, self._main_pids[lease.holder],
                                      self._unit_uid(self.units[lease.holder]))
             except (LingerRefused, KeyError) as exc:
                 log.info("lingering lease %s of %s ends: %s", lease.lease_id, lease.holder, exc)
