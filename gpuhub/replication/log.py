@@ -264,7 +264,10 @@ class RaftGroup:
         the poll in between, but a group of one (a kernel with one replica) hears none, so each of its
         commits waited out the 50 ms tick period (60 ms no-op cells). Wake the poll at once instead."""
         sync = self._sync
-        if not sync.otherNodes and sync.raftCommitIndex < sync._SyncObj__getCurrentLogIndex():
+        # Only a leader: one that restarted from its journal holds entries it may commit only once
+        # elected (at a later tick, when its election timeout is due); waking it before would spin.
+        if (not sync.otherNodes and sync._isLeader()
+                and sync.raftCommitIndex < sync._SyncObj__getCurrentLogIndex()):
             sync._SyncObj__pipeNotifier.notify()
 
     # --- entries ----------------------------------------------------------------

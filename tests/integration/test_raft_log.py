@@ -245,25 +245,27 @@ def test_one_member_with_the_wrong_key_the_majority_still_commits(make_group):
     assert ("c3", 0) not in good[0].log.elections
 
 
-def test_a_group_of_one_commits_without_waiting_for_its_next_tick(make_group, monkeypatch):
+def test_a_group_of_one_commits_without_waiting_for_its_next_tick(make_group, monkeypatch, tmp_path):
     """A one-replica kernel: no peer answers to wake the leader's tick thread, which advances the
     commit index only at the start of a tick. With the tick period made 30 s, each entry commits only
     if the group wakes its own tick (each waited 50 ms, the default period, and made every cell of
-    such a kernel 60 ms)."""
+    such a kernel 60 ms). Restarted from its journal, it has its entries back and commits again."""
     import gpuhub.replication.log as raft_log
     real_conf = raft_log.SyncObjConf
     monkeypatch.setattr(raft_log, "SyncObjConf", lambda **kw: real_conf(autoTickPeriod=30.0, **kw))
     (addr,) = addrs(1)
-    group = make_group(addr, [addr], members=1)
-    wake = group._sync._SyncObj__pipeNotifier.notify  # the election, too, runs only in a tick
-    try:
-        assert wait_until(lambda: wake() or group.ready), "a group of one did not elect itself"
-        for n in range(1, 4):
-            assert complete(group, f"c{n}", 0, n, x=str(n)) is True  # each within its 10 s, not 30
-        assert state(group) == ({"x": b"3"}, 3, 0, ["c1", "c2", "c3"])
-    finally:
-        group.destroy()
-        wake()  # its tick thread sees the destroy only once its poll returns
+    for cells in (range(1, 4), range(4, 6)):  # then again after a restart
+        group = make_group(addr, [addr], journal_dir=tmp_path, members=1)
+        wake = group._sync._SyncObj__pipeNotifier.notify  # the election, too, runs only in a tick
+        try:
+            assert wait_until(lambda g=group, w=wake: w() or g.ready), "a group of one did not elect itself"
+            for n in cells:
+                assert complete(group, f"c{n}", 0, n, x=str(n)) is True  # each within its 10 s, not 30
+            assert state(group) == ({"x": str(n).encode()}, n, 0, [f"c{i}" for i in range(1, n + 1)])
+        finally:
+            group.destroy()
+            wake()  # its tick thread sees the destroy only once its poll returns
+        assert wait_until(lambda g=group: g.stopped, 10), "pysyncobj thread still alive"
 
 
 def test_an_entry_raises_raft_unavailable_without_a_majority(make_group):
