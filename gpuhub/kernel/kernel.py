@@ -134,6 +134,7 @@ class GpuhubKernel(IPythonKernel):
         self._written: tuple[int, set[tuple[int, int]]] = (0, set())
         self._arm_after_idle = False
         self._role = "executor"  # this replica's part in the current request (reply metadata)
+        self._cell_executor: int | None = None  # a follower's: the replica that ran (or ended) the cell
         self._phases: dict[str, float] = {}  # seconds per phase of the last cell (debug log)
         self._cell_arrived = time.monotonic()  # when the cell now running reached this replica
         self._notes: dict[str, dict] = {}  # cell -> what the router said of it (missed, to)
@@ -207,8 +208,11 @@ class GpuhubKernel(IPythonKernel):
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         if self.replica is not None:
-            # The router forwards only the executor's execute_reply (docs/architecture.md D3).
+            # The router forwards only the executor's execute_reply (docs/architecture.md D3), or a
+            # follower's, which names the executor, once that executor is gone without its reply.
             metadata["gpuhub"] = {"replica": self.replica.id, "role": self._role}
+            if self._role == "follower" and self._cell_executor is not None:
+                metadata["gpuhub"]["executor"] = self._cell_executor
         return metadata
 
     @staticmethod
@@ -222,7 +226,7 @@ class GpuhubKernel(IPythonKernel):
     # --- execution -----------------------------------------------------------
     async def do_execute(self, code, silent, store_history=True, user_expressions=None,
                          allow_stdin=False, *, cell_meta=None, cell_id=None):
-        self._role = "executor"
+        self._role, self._cell_executor = "executor", None
         if self.replica is not None:
             await self._wait_joined()
             # Joining loads the namespace on its own thread with sys.stdout and sys.stderr swapped
@@ -669,7 +673,7 @@ class GpuhubKernel(IPythonKernel):
         if store_history and not silent:  # every replica keeps the session's history
             self.shell.history_manager.store_inputs(number, code)
         self.shell.execution_count = outcome.execution_count
-        self._role = "follower"
+        self._role, self._cell_executor = "follower", outcome.by
         reply = {"status": outcome.status, "execution_count": outcome.execution_count - 1,
                  "user_expressions": {}, "payload": []}
         if outcome.status == "error":  # ipykernel's metadata and stop-on-error read these
@@ -691,7 +695,7 @@ class GpuhubKernel(IPythonKernel):
             return self._error_reply(ABORT_NAMES.get(outcome.status, "GpuhubError"),
                                      f"{outcome.detail}; variables are as they were before this cell")
         self.shell.execution_count = outcome.execution_count
-        self._role = "follower"
+        self._role, self._cell_executor = "follower", outcome.by
         return {"status": "error", "ename": ABORT_NAMES.get(outcome.status, "GpuhubError"),
                 "evalue": outcome.detail, "traceback": [], "execution_count": outcome.execution_count - 1,
                 "user_expressions": {}, "payload": []}

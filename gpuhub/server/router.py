@@ -10,9 +10,11 @@ What it does, and why:
 * shell/control requests go to every live replica, because every replica must see every request
   (the cell's msg_id is the key the replicas agree on; see gpuhub/kernel/replica.py);
 * of the N replies, the client gets one: for ``execute_reply`` the executor's (replicas mark it in
-  ``metadata["gpuhub"]``), for anything else the first; iopub ``status``/``execute_input`` are
-  de-duplicated so the client sees one busy and one idle per request, the idle being that of the
-  replica whose reply it got; other outputs pass as they come (followers are silent by design);
+  ``metadata["gpuhub"]``), or, once the executor can no longer send it (it died after committing
+  the cell), a follower's, which names that executor; for anything else the first; iopub
+  ``status``/``execute_input`` are de-duplicated so the client sees one busy and one idle per
+  request, the idle being that of the replica whose reply it got; other outputs pass as they come
+  (followers are silent by design);
 * shell requests are forwarded in arrival order, one execute at a time: once an
   ``execute_request`` is forwarded, later shell requests wait in the router until its reply has
   reached the client, so every replica sees the same order and no replica has a local queue
@@ -149,6 +151,8 @@ class _Request:
     idle_sent: bool = False
     statuses_sent: set[str] = field(default_factory=set)
     idles: dict[int, list[bytes]] = field(default_factory=dict)  # held until the answerer is known
+    # execute_request: the first follower's reply, and the executor it names (see _executor_lost)
+    standby: tuple[int, _Msg, str, int] | None = None
     stdin_replica: int | None = None
     undelivered: bool = False  # no replica took it once: said in the log once, however often retried
 
@@ -823,10 +827,20 @@ class KernelRouter:
         if msg.msg_type == "execute_reply":
             gp = msg.metadata().get("gpuhub")
             if isinstance(gp, dict) and gp.get("role") != "executor":
-                return  # a follower's reply; the executor's is the one that counts
-        req.answered_by = rep.id
+                # A follower's reply; the executor's is the one that counts, unless the executor
+                # is gone before it came (then this one stands in for it).
+                executor = gp.get("executor")
+                if type(executor) is int and (req.standby is None or executor == rep.id):
+                    req.standby = (rep.id, msg, channel, executor)  # the executor restarted: its own first
+                await self._answer_for_lost_executor(parent_id, req)
+                return
+        await self._answer(parent_id, req, rep.id, msg, channel)
+
+    async def _answer(self, parent_id: str, req: _Request, rid: int, msg: _Msg, channel: str) -> None:
+        """Forward replica ``rid``'s reply to the client, with its idle if it came first."""
+        req.answered_by = rid
         await self._send(self._client.get(channel), msg.frames, f"client {channel}")
-        idle = req.idles.pop(rep.id, None)
+        idle = req.idles.pop(rid, None)
         req.idles.clear()
         if idle is not None and not req.idle_sent:
             req.idle_sent = True
@@ -839,6 +853,31 @@ class KernelRouter:
             abort = (msg.content().get("status") == "error" and not running.silent
                      and running.stop_on_error)
             await self._release(abort=abort)
+
+    async def _answer_for_lost_executor(self, parent_id: str, req: _Request) -> None:
+        """Forward a follower's reply if the executor it names can no longer send its own. The cell
+        ended in the log (a follower replies only then), so the client must not wait for good: the
+        executor died (or lost its connection) after committing the cell, before its reply left."""
+        if req.standby is None or req.answered_by is not None:
+            return
+        rid, msg, channel, executor = req.standby
+        if not self._executor_lost(executor, parent_id, rid):
+            return
+        self.log.warning("the executor of %s (replica %s) is gone without its reply; replica %s's "
+                         "reply stands in for it", parent_id, executor, rid)
+        await self._answer(parent_id, req, rid, msg, channel)
+
+    def _executor_lost(self, executor: int, msg_id: str, follower: int) -> bool:
+        """Whether replica ``executor`` can no longer send its reply to ``msg_id``: it restarted
+        since (the follower is the executor itself, handed the cell again: _hand_running), it left
+        the group, its heartbeats stopped, or its shell connection (and with it any reply it had
+        queued) broke after the router sent it the cell."""
+        if executor == follower:
+            return True
+        rep = self._replicas.get(executor)
+        if rep is None or not self._is_live(rep, time.monotonic()):
+            return True
+        return rep.lost_running == msg_id and "shell_port" not in rep.connected
 
     async def _on_replica_iopub(self, msg: _Msg, rep: _Replica, channel: str) -> None:
         mtype = msg.msg_type
@@ -956,6 +995,11 @@ class KernelRouter:
         running = self._running
         if running is None:
             return
+        req = self._requests.get(running.msg_id)
+        if req is not None:
+            await self._answer_for_lost_executor(running.msg_id, req)
+            if self._running is not running:
+                return
         if any(rid in self._replicas and self._is_live(self._replicas[rid], now)
                for rid in running.sent_to):
             return

@@ -257,6 +257,37 @@ def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     assert out["stdout"].strip() == "1"
 
 
+# The executor's process exits at the moment it would send its reply: after the cell ran and its
+# result committed, before any client could hear of it.
+EXIT_AT_REPLY = """
+import os
+def _arm(kernel):
+    send = kernel.session.send
+    def exit_at_reply(stream, msg_or_type, *args, **kwargs):
+        if msg_or_type == "execute_reply":
+            os._exit(9)
+        return send(stream, msg_or_type, *args, **kwargs)
+    kernel.session.send = exit_at_reply
+_arm(get_ipython().kernel)
+del _arm
+n += 1
+"""
+
+
+def test_an_executor_killed_after_its_cell_committed_still_gets_the_client_its_reply(cpu_kernel):
+    """Killed between committing a cell and sending its reply, the executor took the reply with
+    it: the client waited for good, and every later cell behind it. A follower's reply stands in
+    (gpuhub/server/router.py), and the cell ran once."""
+    ok(cpu_kernel, "n = 0")
+    msg_id = cpu_kernel.kc.execute(EXIT_AT_REPLY)
+    reply = cpu_kernel.kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert reply["content"]["execution_count"] == 2
+    out = ok(cpu_kernel, "print(n)")
+    assert out["stdout"].strip() == "1"
+
+
 def eventually(check, timeout_s: float, what: str):
     """:func:`tests.helpers.wait_for`, where a failed assertion or a timed-out client counts as "not yet"."""
     return wait_for(check, timeout_s, what, interval=0.5, ignore=(AssertionError, TimeoutError, RuntimeError))

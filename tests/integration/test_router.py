@@ -28,19 +28,26 @@ from gpuhub.platform.curve import kernel_curve_keys
 from gpuhub.server.router import PORT_KEYS, KernelRouter
 from tests import zmq_peers
 
-# An ipykernel that marks its execute_reply the way gpuhub replicas do, and (as the executor)
-# answers late, so a router that took the first reply would pick a follower's. It notes every
-# request it aborts itself in the file GPUHUB_TEST_ABORTS names.
+# An ipykernel that marks its execute_reply the way gpuhub replicas do (a follower names the
+# executor GPUHUB_TEST_EXECUTOR, if set), and (as the executor) answers late, so a router that took
+# the first reply would pick a follower's; with GPUHUB_TEST_EXIT_AT_REPLY, the executor's process
+# exits instead of replying (after its cell, as one killed then would). It notes every request it
+# aborts itself in the file GPUHUB_TEST_ABORTS names.
 MARKED_KERNEL = """
 import os, time
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 RID, ROLE = int(os.environ["GPUHUB_TEST_REPLICA"]), os.environ["GPUHUB_TEST_ROLE"]
+EXECUTOR = os.environ.get("GPUHUB_TEST_EXECUTOR")
 class Marked(IPythonKernel):
     def finish_metadata(self, parent, metadata, reply_content):
         md = super().finish_metadata(parent, metadata, reply_content)
         md["gpuhub"] = {"replica": RID, "role": ROLE}
+        if ROLE == "follower" and EXECUTOR:
+            md["gpuhub"]["executor"] = int(EXECUTOR)
         if ROLE == "executor":
+            if os.environ.get("GPUHUB_TEST_EXIT_AT_REPLY"):
+                os._exit(9)
             time.sleep(0.3)
         return md
     def _send_abort_reply(self, stream, msg, idents):
@@ -64,7 +71,7 @@ class Replicas:
         self.infos: dict[int, dict] = {}
         self._n = 0
 
-    def start(self, rid: int, role: str | None = None) -> dict:
+    def start(self, rid: int, role: str | None = None, **env: str) -> dict:
         self._n += 1
         fname = str(self.tmp / f"replica-{rid}-{self._n}.json")
         ports = dict(zip(PORT_KEYS, self.ports.take(len(PORT_KEYS)), strict=True))
@@ -74,7 +81,7 @@ class Replicas:
             cfg = json.load(f)
         env = dict(os.environ, IPYTHONDIR=str(self.tmp / f"ipython-{self._n}"),
                    GPUHUB_TEST_REPLICA=str(rid), GPUHUB_TEST_ROLE=role or "",
-                   GPUHUB_TEST_ABORTS=str(self.tmp / "aborts.txt"))
+                   GPUHUB_TEST_ABORTS=str(self.tmp / "aborts.txt"), **env)
         head = ["-c", MARKED_KERNEL] if role else ["-m", "ipykernel_launcher"]
         self.procs[rid] = subprocess.Popen(
             [sys.executable, *head, "-f", fname, "--HistoryManager.enabled=False"],
@@ -270,7 +277,7 @@ async def test_kernel_info_and_one_reply_per_execute(shared_routed):
 
 async def test_executor_reply_wins_over_earlier_followers(replicas):
     for i, role in enumerate(("follower", "follower", "executor")):
-        replicas.start(i, role)
+        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2")
     async with _routed(replicas) as (_, _, kc):
         reply, msgs = await _execute(kc, "x = 41 + 1")
         assert await _no_more_shell(kc)  # the followers' earlier replies were dropped
@@ -278,6 +285,40 @@ async def test_executor_reply_wins_over_earlier_followers(replicas):
     idles = _statuses(msgs, "idle")
     assert len(idles) == 1 and len(_statuses(msgs, "busy")) == 1
     assert idles[0]["header"]["session"] == reply["header"]["session"]
+
+
+async def test_an_executor_gone_before_its_reply_is_answered_for_by_a_follower(replicas, caplog):
+    """The executor committed its cell and died before its reply left (found by killing one at
+    that moment): the followers' replies, which name it, were dropped, and the client waited for
+    good, with every later request held behind. A follower's reply now stands in for it."""
+    caplog.set_level(logging.WARNING, logger="gpuhub.server.router")
+    for i, role in enumerate(("follower", "follower", "executor")):
+        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2", GPUHUB_TEST_EXIT_AT_REPLY="1")
+    async with _routed(replicas) as (_, _, kc):
+        reply, msgs = await _execute(kc, "x = 41 + 1")
+        assert reply["content"]["status"] == "ok"
+        assert reply["metadata"]["gpuhub"]["role"] == "follower"
+        assert reply["metadata"]["gpuhub"]["executor"] == 2
+        stand_in = reply["metadata"]["gpuhub"]["replica"]
+        idles = _statuses(msgs, "idle")
+        assert len(idles) == 1 and idles[0]["header"]["session"] == reply["header"]["session"]
+        assert await _no_more_shell(kc)  # the other follower's reply was dropped
+        assert f"the executor of {reply['parent_header']['msg_id']} (replica 2) is gone without its reply; " \
+               f"replica {stand_in}'s reply stands in for it" in caplog.text
+        reply, _ = await _execute(kc, "y = 1")  # the next cell is not held behind the lost reply
+        assert reply["content"]["status"] == "ok"
+
+
+async def test_an_executor_restarted_after_its_cell_answers_for_itself(replicas):
+    """A replica restarted after it ran a cell is handed that cell again (_hand_running) and
+    follows it from the log, naming itself as the executor: its old process held the reply."""
+    replicas.start(0, "follower", GPUHUB_TEST_EXECUTOR="0")
+    for i in (1, 2):
+        replicas.start(i, "follower", GPUHUB_TEST_EXECUTOR="0")
+    async with _routed(replicas) as (_, _, kc):
+        reply, _ = await _execute(kc, "x = 1")
+        assert reply["metadata"]["gpuhub"] == {"replica": 0, "role": "follower", "executor": 0}
+        assert await _no_more_shell(kc)
 
 
 async def test_input_round_trip(shared_routed, shared_replicas):
