@@ -150,7 +150,8 @@ class _Request:
     input_sent: bool = False
     idle_sent: bool = False
     statuses_sent: set[str] = field(default_factory=set)
-    idles: dict[int, list[bytes]] = field(default_factory=dict)  # held until the answerer is known
+    # held until the answerer's came (another's stands in if the answerer is gone before it sent its own)
+    idles: dict[int, list[bytes]] = field(default_factory=dict)
     # execute_request: the first follower's reply, and the executor it names (see _executor_lost)
     standby: tuple[int, _Msg, str, int] | None = None
     stdin_replica: int | None = None
@@ -263,6 +264,7 @@ class KernelRouter:
         self._last_execute: str | None = None  # the last execute_request forwarded to any replica
         self._last_sent: set[int] = set()  # the replicas that got the last execute_request (its sent_to)
         self._notes: OrderedDict[str, None] = OrderedDict()  # msg_ids of our dispatch notes
+        self._idle_owed: OrderedDict[str, None] = OrderedDict()  # answered requests whose idle has not come
         self._open = False  # replicas are up: requests go through
         self._started_at = 0.0
         self._majority_ready_at: float | None = None
@@ -416,6 +418,7 @@ class KernelRouter:
             self._ctx = None
         self._requests.clear()
         self._stdin_owner.clear()
+        self._idle_owed.clear()
         self._held.clear()
         self._held_control.clear()
         self._held_bytes = 0
@@ -841,10 +844,10 @@ class KernelRouter:
         req.answered_by = rid
         await self._send(self._client.get(channel), msg.frames, f"client {channel}")
         idle = req.idles.pop(rid, None)
-        req.idles.clear()
-        if idle is not None and not req.idle_sent:
-            req.idle_sent = True
-            await self._send(self._client.get("iopub_port"), idle, "client iopub")
+        if idle is not None:
+            await self._send_idle(parent_id, req, idle)
+        elif not req.idle_sent:
+            self._idle_owed[parent_id] = None  # _check_idles_owed
         self._maybe_finish(req)
         running = self._running
         if running is not None and running.msg_id == parent_id and msg.msg_type == "execute_reply":
@@ -861,23 +864,37 @@ class KernelRouter:
         if req.standby is None or req.answered_by is not None:
             return
         rid, msg, channel, executor = req.standby
-        if not self._executor_lost(executor, parent_id, rid):
+        if executor != rid and not self._gone(executor, "shell_port"):
             return
         self.log.warning("the executor of %s (replica %s) is gone without its reply; replica %s's "
                          "reply stands in for it", parent_id, executor, rid)
         await self._answer(parent_id, req, rid, msg, channel)
 
-    def _executor_lost(self, executor: int, msg_id: str, follower: int) -> bool:
-        """Whether replica ``executor`` can no longer send its reply to ``msg_id``: it restarted
-        since (the follower is the executor itself, handed the cell again: _hand_running), it left
-        the group, its heartbeats stopped, or its shell connection (and with it any reply it had
-        queued) broke after the router sent it the cell."""
-        if executor == follower:
-            return True
-        rep = self._replicas.get(executor)
-        if rep is None or not self._is_live(rep, time.monotonic()):
-            return True
-        return rep.lost_running == msg_id and "shell_port" not in rep.connected
+    def _gone(self, rid: int, channel: str) -> bool:
+        """Whether replica ``rid`` can no longer send what it owes on ``channel``: it left the group,
+        its heartbeats stopped, or that connection broke (what it sends meanwhile is lost; one that
+        comes back while its cell runs is handed that cell again, _hand_running). A follower that
+        names itself as the executor is such a replica, restarted: its old process held the reply."""
+        rep = self._replicas.get(rid)
+        return rep is None or not self._is_live(rep, time.monotonic()) or channel not in rep.connected
+
+    async def _send_idle(self, parent_id: str, req: _Request, frames: list[bytes]) -> None:
+        req.idle_sent = True
+        self._idle_owed.pop(parent_id, None)
+        await self._send(self._client.get("iopub_port"), frames, "client iopub")
+
+    async def _check_idles_owed(self) -> None:
+        """A request answered by a replica that is gone before its idle came gets another
+        replica's idle: a client takes a request as running until its idle."""
+        for msg_id in list(self._idle_owed):
+            req = self._requests.get(msg_id)
+            if req is None or req.idle_sent or req.answered_by is None:
+                self._idle_owed.pop(msg_id, None)
+            elif req.idles and self._gone(req.answered_by, "iopub_port"):
+                self.log.warning("replica %s answered %s and is gone without its idle; another replica's "
+                                 "stands in for it", req.answered_by, msg_id)
+                await self._send_idle(msg_id, req, next(iter(req.idles.values())))
+                self._maybe_finish(req)
 
     async def _on_replica_iopub(self, msg: _Msg, rep: _Replica, channel: str) -> None:
         mtype = msg.msg_type
@@ -917,14 +934,12 @@ class KernelRouter:
                 elif state == "idle":
                     if req.idle_sent:
                         return
-                    if req.expects_reply:
-                        if req.answered_by is None:
-                            req.idles[rep.id] = msg.frames  # wait to learn who answered
-                            return
-                        if req.answered_by != rep.id:
-                            return
-                    req.idle_sent = True
-                    await self._send(self._client.get("iopub_port"), msg.frames, "client iopub")
+                    if req.expects_reply and req.answered_by != rep.id:
+                        req.idles.setdefault(rep.id, msg.frames)  # wait to learn who answered, or for its own
+                        if req.answered_by is not None:
+                            await self._check_idles_owed()
+                        return
+                    await self._send_idle(parent_id, req, msg.frames)
                     self._maybe_finish(req)
                     return
                 else:
@@ -985,6 +1000,7 @@ class KernelRouter:
             self._sweep(now)
             await self._check_open()
             await self._check_running(now)
+            await self._check_idles_owed()
             if self._open and self._running is None and self._held:
                 await self._release()  # requests no replica could take (all restarting): try again
             await asyncio.sleep(self.hb_interval_s)

@@ -257,21 +257,29 @@ def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     assert out["stdout"].strip() == "1"
 
 
-# The executor's process exits at the moment it would send its reply: after the cell ran and its
-# result committed, before any client could hear of it.
-EXIT_AT_REPLY = """
+def when_sending(condition: str, action: str) -> str:
+    """A cell that makes its replica's kernel ``action`` (instead of sending) when it sends a
+    message that meets ``condition``, then counts itself in ``n``: only the executor runs it."""
+    return f"""
 import os
 def _arm(kernel):
     send = kernel.session.send
-    def exit_at_reply(stream, msg_or_type, *args, **kwargs):
-        if msg_or_type == "execute_reply":
-            os._exit(9)
+    def hooked(stream, msg_or_type, *args, **kwargs):
+        if {condition}:
+            {action}
         return send(stream, msg_or_type, *args, **kwargs)
-    kernel.session.send = exit_at_reply
+    kernel.session.send = hooked
 _arm(get_ipython().kernel)
 del _arm
 n += 1
 """
+
+
+# The executor's process exits at the moment it would send its reply: after the cell ran and its
+# result committed, before any client could hear that the cell ended.
+EXIT_AT_REPLY = when_sending('msg_or_type == "execute_reply"', "os._exit(9)")
+# The executor sends its reply but not its idle (it is killed before it does, below).
+NO_IDLE = when_sending('args[:1] == ({"execution_state": "idle"},)', "return None")
 
 
 def test_an_executor_killed_after_its_cell_committed_still_gets_the_client_its_reply(cpu_kernel):
@@ -279,13 +287,27 @@ def test_an_executor_killed_after_its_cell_committed_still_gets_the_client_its_r
     it: the client waited for good, and every later cell behind it. A follower's reply stands in
     (gpuhub/server/router.py), and the cell ran once."""
     ok(cpu_kernel, "n = 0")
-    msg_id = cpu_kernel.kc.execute(EXIT_AT_REPLY)
+    reply, _ = run(cpu_kernel.kc, EXIT_AT_REPLY)  # the reply and the idle
+    assert reply["status"] == "ok", reply
+    assert reply["execution_count"] == 2
+    assert ok(cpu_kernel, "print(n)")["stdout"].strip() == "1"
+
+
+def test_an_executor_killed_after_its_reply_still_gets_the_client_an_idle(cpu_kernel):
+    """Killed after its reply, before its idle: the client took the cell as running for good
+    (Jupyter clients wait for both). Another replica's idle stands in."""
+    ok(cpu_kernel, "n = 0")
+    msg_id = cpu_kernel.kc.execute(NO_IDLE)
     reply = cpu_kernel.kc.get_shell_msg(timeout=30)
-    assert reply["parent_header"]["msg_id"] == msg_id
-    assert reply["content"]["status"] == "ok", reply["content"]
-    assert reply["content"]["execution_count"] == 2
-    out = ok(cpu_kernel, "print(n)")
-    assert out["stdout"].strip() == "1"
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok", reply
+    os.kill(cpu_kernel.pid(reply["metadata"]["gpuhub"]["replica"]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        msg = cpu_kernel.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status" \
+                and msg["content"]["execution_state"] == "idle":
+            break
+    assert ok(cpu_kernel, "print(n)")["stdout"].strip() == "1"
 
 
 def eventually(check, timeout_s: float, what: str):
