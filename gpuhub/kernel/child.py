@@ -58,9 +58,18 @@ class SentImage:
 
 
 class PipeStream(io.TextIOBase):
-    def __init__(self, name: str, chan: FrameWriter) -> None:
+    """A GPU cell's sys.stdout or sys.stderr: text to the replica, which relays it as the kernel's
+    own stream would. It looks like ipykernel's stream to code that inspects it: UTF-8 (IPython's
+    %time and progress bars choose their characters by it), and the file descriptor the kernel's
+    stream gives (a copy of the process's original one: ``subprocess.run(..., stdout=sys.stdout)``,
+    faulthandler), or ipykernel's error where it has none."""
+
+    encoding = "UTF-8"
+
+    def __init__(self, name: str, chan: FrameWriter, kernel_stream=None) -> None:
         self.name = name
         self.chan = chan
+        self.kernel_stream = kernel_stream  # the stream this one replaces in the cell's process
 
     def writable(self) -> bool:
         return True
@@ -75,6 +84,11 @@ class PipeStream(io.TextIOBase):
 
     def isatty(self) -> bool:
         return False
+
+    def fileno(self) -> int:
+        if self.kernel_stream is None:
+            raise io.UnsupportedOperation("fileno")
+        return self.kernel_stream.fileno()
 
 
 class PipeDisplayPublisher(DisplayPublisher):
@@ -207,8 +221,8 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
     """Once per process, before its first cell: its GPUs, its output and input through the pipes,
     the namespace's tensors back on their GPUs."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
-    sys.stdout = PipeStream("stdout", chan)
-    sys.stderr = PipeStream("stderr", chan)
+    sys.stdout = PipeStream("stdout", chan, sys.stdout)
+    sys.stderr = PipeStream("stderr", chan, sys.stderr)
     publisher, hook = _display or _display_objects(shell)  # traitlets objects: slow to build per cell
     publisher.chan = hook.chan = chan
     shell.display_pub = publisher

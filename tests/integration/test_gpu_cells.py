@@ -433,6 +433,22 @@ def test_asyncio_in_a_gpu_cell(gpu_kernel):
     assert reply["status"] == "ok" and out["stdout"].split() == ["False", "ran", "run"], out
 
 
+def test_a_gpu_cells_stdout_and_stderr_look_like_the_kernels_own(gpu_kernel):
+    """Found running the same cells on a plain ipykernel: in a GPU cell, sys.stdout had no
+    encoding (IPython's %time printed "us" for "μs") and no file descriptor, so passing it to a
+    subprocess, or faulthandler's timer, raised UnsupportedOperation. A plain kernel prints
+    "UTF-8 UTF-8 0" here."""
+    _, kc, _ = gpu_kernel
+    code = ("import faulthandler, subprocess, sys\n"
+            "done = subprocess.run([sys.executable, '-c', 'pass'], stdout=sys.stdout, stderr=sys.stderr)\n"
+            "faulthandler.dump_traceback_later(1000)\n"
+            "faulthandler.cancel_dump_traceback_later()\n"
+            "print(sys.stdout.encoding, sys.stderr.encoding, done.returncode)")
+    reply, out = run(kc, code)
+    assert reply["status"] == "ok", (reply, out)
+    assert out["stdout"].split() == ["UTF-8", "UTF-8", "0"], out
+
+
 def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
     agent, kc, _ = gpu_kernel
     assert run(kc, "x = 1")[0]["status"] == "ok"  # its lease connection to the agent is open now
