@@ -29,12 +29,29 @@ def _exit_when_the_heartbeat_dies() -> None:
     threading.excepthook = hook
 
 
-def main() -> None:
-    # To the unit's journal. ipykernel later captures file descriptor 2 itself and forwards what is
-    # written there to the notebook, so log through a private duplicate of the original stderr.
+# The loggers of the replica's own machinery: gpuhub's and its Raft library's.
+OWN_LOGGERS = ("gpuhub", "pysyncobj")
+
+
+def log_to_the_journal() -> None:
+    """gpuhub's own loggers to the unit's journal. ipykernel later captures file descriptor 2
+    itself and forwards what is written there to the notebook, so they log through a private
+    duplicate of the original stderr. The root logger stays the user's, as in a plain ipykernel (no
+    handler, WARNING): a cell's ``logging.basicConfig(level=logging.INFO)`` must take effect, and a
+    library's warnings must reach the notebook."""
     journal = os.fdopen(os.dup(sys.__stderr__.fileno()), "w", buffering=1)
-    logging.basicConfig(level=os.environ.get("GPUHUB_LOG_LEVEL", "INFO"), stream=journal,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(journal)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = os.environ.get("GPUHUB_LOG_LEVEL", "INFO").upper()
+    for name in OWN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False  # not into the notebook, whatever the user does with the root logger
+
+
+def main() -> None:
+    log_to_the_journal()
     _exit_when_the_heartbeat_dies()
     argv = sys.argv[1:]
     if os.environ.get("GPUHUB_PEERS_FILE"):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster
 from tests.helpers import wait_for
@@ -132,6 +133,35 @@ def test_output_history_and_prompts_match_ipykernel(kernel):
     assert out["stdout"].split() == ["42", "42", "42"]
     hist = kernel.kc.history(hist_access_type="tail", n=2, output=False, raw=True, reply=True, timeout=30)
     assert [entry[2] for entry in hist["content"]["history"]] == ["6 * 7", f"print(_, Out[{n}], _{n})"]
+
+
+LOGGING = [
+    "import logging\nlogging.getLogger('notebook').warning('a warning, no handler set up')",
+    "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')\n"
+    "logging.getLogger('notebook').info('shown once basicConfig ran')",
+    "print(len(logging.getLogger().handlers), logging.getLogger().level)",
+]
+
+
+def test_logging_in_cells_reaches_the_notebook_as_on_plain_ipykernel(kernel):
+    """Found side by side: the replicas configured the root logger for their own log, so a cell's
+    logging.warning went to the unit's journal and logging.basicConfig did nothing."""
+    want = plain_streams(LOGGING)
+    assert [streams(ok(kernel, code)) for code in LOGGING] == want
+
+
+def streams(out: dict) -> dict:
+    return {"stdout": out["stdout"], "stderr": out["stderr"]}
+
+
+def plain_streams(cells: list[str]) -> list[dict]:
+    """A plain ipykernel's stdout and stderr for each of ``cells``: the anchor."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        return [streams(run(kc, code)[1]) for code in cells]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
