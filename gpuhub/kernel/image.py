@@ -23,7 +23,9 @@ What is replicated: every name of ``user_ns`` except IPython's own (``user_ns_hi
 input history names (``_i``, ``_ii``, ``_i3`` …: each replica records the inputs itself). The
 output history *is* replicated: ``_``, ``__``, ``___``, ``_3`` and ``Out`` (whose entries that
 cannot be pickled are left out of the image, never the whole dict). A name whose value cannot be
-pickled stays on the executor only; the caller warns.
+pickled stays on the executor only; the caller warns. Beside the names, the image carries the
+working directory and the environment variables the cells set (:mod:`gpuhub.kernel.process_state`,
+under :data:`PROCESS`, a key no Python name can be).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import dirty, tensors
+from gpuhub.kernel import dirty, process_state, tensors
 from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
 """Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
 OUT = "Out"
+PROCESS = "<process>"  # the image's entry for process_state (not a name: never in a namespace)
 OUTPUT_NAME = re.compile(r"_+|_\d+")  # _, __, ___ and _N: IPython's output history
 INPUT_NAME = re.compile(r"_i+|_i\d+|_ih|_oh|_dh")  # input history: each replica keeps its own
 
@@ -254,6 +257,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     names = replicated_names(ns, hidden)
     failed: dict[str, str] = {}
     image = {name: ns[name] for name in names}
+    image[PROCESS] = process_state.capture()
     if isinstance(image.get(OUT), dict):
         image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
     _out_of_band_bytes(image, min_buffer)
@@ -276,17 +280,17 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
             break
         except Exception as exc:
             # Find what cannot be pickled, name by name, and leave it out (rare: costs a second pass).
-            bad = {name: why for name in image if name != OUT and (why := _picklable(image[name]))}
+            bad = {name: why for name in image if name not in (OUT, PROCESS) and (why := _picklable(image[name]))}
             out = image.get(OUT)
             dropped = [k for k, v in out.items() if _picklable(v)] if isinstance(out, dict) else []
             for key in dropped:
                 del out[key]
             if not bad and not dropped:  # only the whole fails (e.g. too deep): nothing replicates
-                bad = {name: f"{type(exc).__name__}: {exc}" for name in image}
+                bad = {name: f"{type(exc).__name__}: {exc}" for name in image if name != PROCESS}
             failed.update(bad)
             for name in bad:
                 image.pop(name, None)
-    return Capture(stream, buffers, [known_digest(b) for b in buffers], list(image), failed)
+    return Capture(stream, buffers, [known_digest(b) for b in buffers], [n for n in image if n != PROCESS], failed)
 
 
 def _loads(stream, buffers: list):
@@ -316,7 +320,11 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     ``known``: the names the group had before (the previous image's); only those may be removed,
     so a value that could not be replicated stays on the replica that made it. None: every
     replicated name not in the image is removed. ``Out`` is updated in place: IPython's
-    displayhook and history hold that very dict."""
+    displayhook and history hold that very dict. The image's working directory and environment
+    become this process's (an image from before they were carried leaves both as they are)."""
+    process = image.pop(PROCESS, None)
+    if isinstance(process, dict):
+        process_state.apply(process)
     candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
     for name in candidates:
         if name not in image and name != OUT:

@@ -164,6 +164,21 @@ def plain_streams(cells: list[str]) -> list[dict]:
         km.shutdown_kernel(now=True)
 
 
+def test_the_working_directory_and_environment_follow_the_cells_to_another_replica(kernel, tmp_path):
+    """A plain kernel keeps ``%cd`` and ``os.environ`` changes in its one process; after a
+    failover the next cell runs on another replica, which takes them on from the image. What
+    gpuhub sets per replica (GPUHUB_*) stays each replica's own."""
+    ok(kernel, f"%cd {tmp_path}\nimport os\nos.environ['NOTEBOOK_A'] = '1'\nos.environ['NOTEBOOK_B'] = '2'")
+    ok(kernel, "del os.environ['NOTEBOOK_B']\n%env NOTEBOOK_C=3")
+    executor = executor_id(kernel)
+    kill_replica(kernel, executor)
+    out = ok(kernel, "print(os.getcwd(), os.environ.get('NOTEBOOK_A'), os.environ.get('NOTEBOOK_B'), "
+                     "os.environ.get('NOTEBOOK_C'), os.environ['GPUHUB_REPLICA_ID'])")
+    cwd, a, b, c, replica = out["stdout"].split()
+    assert (cwd, a, b, c) == (str(tmp_path), "1", "None", "3")
+    assert int(replica) != executor
+
+
 def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
     reply, out = run(kernel.kc, "input('name? ')")
     assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)

@@ -498,6 +498,21 @@ def test_modules_a_cell_imported_are_imported_by_the_replica_for_the_next_cells(
                                             "displays": []}, 30, "the replica to import the module")
 
 
+def test_a_gpu_cells_working_directory_and_environment_reach_the_next_cells_process(fresh_gpu_kernel, tmp_path):
+    """Found side by side with a plain ipykernel: ``%cd`` and ``os.environ`` changes of a GPU cell
+    were gone in the next cell once that ran in a new process (no lingering process: the default
+    linger is 30 s). The image carries them (gpuhub/kernel/process_state.py)."""
+    _, kc, _ = fresh_gpu_kernel
+    reply, out = run(kc, f"%cd {tmp_path}\nimport os\nos.environ['NOTEBOOK_A'] = '1'\n"
+                         "os.environ['NOTEBOOK_B'] = '2'\nfirst = os.getpid()")
+    assert reply["status"] == "ok", out
+    reply, out = run(kc, "del os.environ['NOTEBOOK_B']\n%env NOTEBOOK_C=3")
+    assert reply["status"] == "ok", out
+    reply, out = run(kc, "print(os.getpid() != first, os.getcwd(), os.environ.get('NOTEBOOK_A'), "
+                         "os.environ.get('NOTEBOOK_B'), os.environ.get('NOTEBOOK_C'))")
+    assert out["stdout"].split() == ["True", str(tmp_path), "1", "None", "3"], out
+
+
 # --- the lingering lease: a cell's process stays for the kernel's next cell ----
 def test_quick_successive_gpu_cells_run_warm_in_the_last_cells_process(gpu_kernel):
     """After a GPU cell its process (CUDA context, GPU memory) stays for the next cell under the
