@@ -13,8 +13,8 @@ What it does, and why:
   ``metadata["gpuhub"]``), or, once the executor can no longer send it (it died after committing
   the cell), a follower's, which names that executor; for anything else the first; iopub
   ``status``/``execute_input`` are de-duplicated so the client sees one busy and one idle per
-  request, the idle being that of the replica whose reply it got; other outputs pass as they come
-  (followers are silent by design);
+  request, the idle being that of the replica whose reply it got (another's if that replica is
+  gone before its idle came); other outputs pass as they come (followers are silent by design);
 * shell requests are forwarded in arrival order, one execute at a time: once an
   ``execute_request`` is forwarded, later shell requests wait in the router until its reply has
   reached the client, so every replica sees the same order and no replica has a local queue
