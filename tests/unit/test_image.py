@@ -19,7 +19,9 @@ def roundtrip(ns: dict, *, min_buffer: int = images.BUFFER_MIN_BYTES) -> tuple[d
     cap = images.capture(ns, HIDDEN, min_buffer=min_buffer)
     # a receiver gets fresh, writable memory for each out-of-band buffer, as a replica does
     buffers = [memoryview(bytearray(b)) for b in cap.buffers]
-    return images.load(cap.stream, buffers), cap
+    loaded = images.load(cap.stream, buffers)
+    assert "cwd" in loaded.pop(images.PROCESS)  # beside the names: gpuhub/kernel/process_state.py
+    return loaded, cap
 
 
 def identity_shape(ns: dict) -> tuple:
