@@ -11,7 +11,10 @@ What it does, and why:
   (the cell's msg_id is the key the replicas agree on; see gpuhub/kernel/replica.py);
 * of the N replies, the client gets one: for ``execute_reply`` the executor's (replicas mark it in
   ``metadata["gpuhub"]``), or, once the executor can no longer send it (it died after committing
-  the cell), a follower's, which names that executor; for anything else the first; iopub
+  the cell), a follower's, which names that executor; for anything else on shell that of the
+  replica that ran the last cell (only it holds what could not be replicated: a widget's comm for
+  comm_info, an open file for completion), or the first once that one is gone or
+  ``prefer_executor_s`` passed; iopub
   ``status``/``execute_input`` are de-duplicated so the client sees one busy and one idle per
   request, the idle being that of the replica whose reply it got (another's if that replica is
   gone before its idle came); other outputs pass as they come (followers are silent by design);
@@ -152,7 +155,8 @@ class _Request:
     statuses_sent: set[str] = field(default_factory=set)
     # held until the answerer's came (another's stands in if the answerer is gone before it sent its own)
     idles: dict[int, list[bytes]] = field(default_factory=dict)
-    # execute_request: the first follower's reply, and the executor it names (see _executor_lost)
+    # Another replica's reply, held while the one that should answer may still: (its sender, the
+    # reply, its channel, the replica awaited). See _on_replica_reply.
     standby: tuple[int, _Msg, str, int] | None = None
     stdin_replica: int | None = None
     undelivered: bool = False  # no replica took it once: said in the log once, however often retried
@@ -216,6 +220,9 @@ class KernelRouter:
     # Bounds on what the router holds (requests waiting for their turn or for the replicas).
     max_held_requests: int = 1000
     max_held_bytes: int = 64 << 20
+    # How long a request other than an execute waits for the reply of the replica that ran the
+    # last cell, when another replica answered first (_on_replica_reply).
+    prefer_executor_s: float = 5.0
 
     def __init__(self, replicas: list[dict], key: bytes, *, ip: str = "127.0.0.1",
                  ports: dict | None = None, signature_scheme: str = "hmac-sha256",
@@ -265,6 +272,8 @@ class KernelRouter:
         self._last_sent: set[int] = set()  # the replicas that got the last execute_request (its sent_to)
         self._notes: OrderedDict[str, None] = OrderedDict()  # msg_ids of our dispatch notes
         self._idle_owed: OrderedDict[str, None] = OrderedDict()  # answered requests whose idle has not come
+        self._standing_by: OrderedDict[str, None] = OrderedDict()  # unanswered requests holding a standby
+        self._last_executor: int | None = None  # the replica whose execute_reply the client got last
         self._open = False  # replicas are up: requests go through
         self._started_at = 0.0
         self._majority_ready_at: float | None = None
@@ -419,6 +428,7 @@ class KernelRouter:
         self._requests.clear()
         self._stdin_owner.clear()
         self._idle_owed.clear()
+        self._standing_by.clear()
         self._held.clear()
         self._held_control.clear()
         self._held_bytes = 0
@@ -835,13 +845,27 @@ class KernelRouter:
                 executor = gp.get("executor")
                 if type(executor) is int and (req.standby is None or executor == rep.id):
                     req.standby = (rep.id, msg, channel, executor)  # the executor restarted: its own first
-                await self._answer_for_lost_executor(parent_id, req)
+                    self._standing_by[parent_id] = None
+                await self._answer_with_standby(parent_id, req)
                 return
+        elif (channel == "shell_port" and self._last_executor not in (None, rep.id)
+              and not self._gone(self._last_executor, channel)):
+            # Completions, inspection, comm_info, …: the replica that ran the last cell answers, as
+            # only it holds what could not be replicated (a widget's comm, an open file).
+            if req.standby is None:
+                req.standby = (rep.id, msg, channel, self._last_executor)
+                self._standing_by[parent_id] = None
+            await self._answer_with_standby(parent_id, req)
+            return
         await self._answer(parent_id, req, rep.id, msg, channel)
 
     async def _answer(self, parent_id: str, req: _Request, rid: int, msg: _Msg, channel: str) -> None:
         """Forward replica ``rid``'s reply to the client, with its idle if it came first."""
         req.answered_by = rid
+        self._standing_by.pop(parent_id, None)
+        if msg.msg_type == "execute_reply":
+            gp = msg.metadata().get("gpuhub")
+            self._last_executor = rid if isinstance(gp, dict) and gp.get("role") == "executor" else None
         await self._send(self._client.get(channel), msg.frames, f"client {channel}")
         idle = req.idles.pop(rid, None)
         if idle is not None:
@@ -857,18 +881,31 @@ class KernelRouter:
                      and running.stop_on_error)
             await self._release(abort=abort)
 
-    async def _answer_for_lost_executor(self, parent_id: str, req: _Request) -> None:
-        """Forward a follower's reply if the executor it names can no longer send its own. The cell
-        ended in the log (a follower replies only then), so the client must not wait for good: the
-        executor died (or lost its connection) after committing the cell, before its reply left."""
+    async def _answer_with_standby(self, parent_id: str, req: _Request) -> None:
+        """Forward the standby reply once the replica awaited can no longer send its own. For an
+        execute: the cell ended in the log (a follower replies only then), so the client must not
+        wait for good when the executor died (or lost its connection) after committing the cell,
+        before its reply left. For anything else: also after ``prefer_executor_s``."""
         if req.standby is None or req.answered_by is not None:
+            self._standing_by.pop(parent_id, None)
             return
-        rid, msg, channel, executor = req.standby
-        if executor != rid and not self._gone(executor, "shell_port"):
+        rid, msg, channel, awaited = req.standby
+        execute = msg.msg_type == "execute_reply"
+        if awaited != rid and not self._gone(awaited, "shell_port") and (
+                execute or time.monotonic() - req.created < self.prefer_executor_s):
             return
-        self.log.warning("the executor of %s (replica %s) is gone without its reply; replica %s's "
-                         "reply stands in for it", parent_id, executor, rid)
+        if execute:
+            self.log.warning("the executor of %s (replica %s) is gone without its reply; replica %s's "
+                             "reply stands in for it", parent_id, awaited, rid)
         await self._answer(parent_id, req, rid, msg, channel)
+
+    async def _check_standbys(self) -> None:
+        for msg_id in list(self._standing_by):
+            req = self._requests.get(msg_id)
+            if req is None:
+                self._standing_by.pop(msg_id, None)
+            else:
+                await self._answer_with_standby(msg_id, req)
 
     def _gone(self, rid: int, channel: str) -> bool:
         """Whether replica ``rid`` can no longer send what it owes on ``channel``: it left the group,
@@ -999,6 +1036,7 @@ class KernelRouter:
                                  f"replica {rep.id} heartbeat")
             self._sweep(now)
             await self._check_open()
+            await self._check_standbys()
             await self._check_running(now)
             await self._check_idles_owed()
             if self._open and self._running is None and self._held:
@@ -1011,11 +1049,6 @@ class KernelRouter:
         running = self._running
         if running is None:
             return
-        req = self._requests.get(running.msg_id)
-        if req is not None:
-            await self._answer_for_lost_executor(running.msg_id, req)
-            if self._running is not running:
-                return
         if any(rid in self._replicas and self._is_live(self._replicas[rid], now)
                for rid in running.sent_to):
             return

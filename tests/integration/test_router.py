@@ -30,9 +30,9 @@ from tests import zmq_peers
 
 # An ipykernel that marks its execute_reply the way gpuhub replicas do (a follower names the
 # executor GPUHUB_TEST_EXECUTOR, if set), and (as the executor) answers late, so a router that took
-# the first reply would pick a follower's; with GPUHUB_TEST_EXIT_AT_REPLY, the executor's process
-# exits instead of replying (after its cell, as one killed then would). It notes every request it
-# aborts itself in the file GPUHUB_TEST_ABORTS names.
+# the first reply would pick a follower's (complete_request's too); with GPUHUB_TEST_EXIT_AT_REPLY,
+# the executor's process exits instead of replying (after its cell, as one killed then would). It
+# notes every request it aborts itself in the file GPUHUB_TEST_ABORTS names.
 MARKED_KERNEL = """
 import os, time
 from ipykernel.ipkernel import IPythonKernel
@@ -50,6 +50,10 @@ class Marked(IPythonKernel):
                 os._exit(9)
             time.sleep(0.3)
         return md
+    def do_complete(self, code, cursor_pos):
+        if ROLE == "executor":
+            time.sleep(0.3)  # answers last here too
+        return super().do_complete(code, cursor_pos)
     def _send_abort_reply(self, stream, msg, idents):
         with open(os.environ["GPUHUB_TEST_ABORTS"], "a") as f:
             f.write(msg["header"]["msg_id"] + "\\n")
@@ -319,6 +323,25 @@ async def test_an_executor_restarted_after_its_cell_answers_for_itself(replicas)
         reply, _ = await _execute(kc, "x = 1")
         assert reply["metadata"]["gpuhub"] == {"replica": 0, "role": "follower", "executor": 0}
         assert await _no_more_shell(kc)
+
+
+async def test_other_requests_are_answered_by_the_replica_that_ran_the_last_cell(replicas):
+    """Only the executor holds what could not be replicated (a widget's comm, an open file): a
+    follower's faster reply to comm_info gave JupyterLab no widgets to restore. Here each replica
+    defines a name of its own, so completion tells who answered; once the executor is gone, a
+    follower's reply stands in."""
+    for i, role in enumerate(("follower", "follower", "executor")):
+        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2")
+    async with _routed(replicas) as (_, _, kc):
+        reply, _ = await _execute(kc, "import os\nexec(f\"only_{os.environ['GPUHUB_TEST_ROLE']} = 1\")")
+        assert reply["metadata"]["gpuhub"]["role"] == "executor"
+        for _ in range(3):
+            reply = await kc.complete("only_", reply=True, timeout=15)
+            assert reply["content"]["matches"] == ["only_executor"]
+        assert await _no_more_shell(kc)
+        replicas.kill(2)
+        reply = await kc.complete("only_", reply=True, timeout=15)
+        assert reply["content"]["matches"] == ["only_follower"]
 
 
 async def test_input_round_trip(shared_routed, shared_replicas):
