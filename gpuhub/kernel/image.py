@@ -143,6 +143,8 @@ def replicated_names(ns: dict, hidden) -> list[str]:
     """The names of ``ns`` an image carries, in namespace order."""
     names = []
     for name in ns:
+        if name == PROCESS:
+            continue  # put there by a replica of a release before it was carried apart
         if name == OUT or OUTPUT_NAME.fullmatch(name):
             names.append(name)
         elif name in hidden or INPUT_NAME.fullmatch(name) or (name.startswith("__") and name.endswith("__")):
@@ -299,10 +301,10 @@ def _loads(stream, buffers: list):
 
 
 def load(stream, buffers: list, namespace: dict | None = None) -> dict:
-    """The ``{name: value}`` an image holds; ``buffers`` supply its out-of-band buffers, in order
-    (writable memory the caller may let the values keep: see gpuhub/kernel/replica.py).
-    ``namespace``: the one the values are for (:func:`install` them there next): notebook
-    functions get it as their globals; without it they share a new dict."""
+    """The ``{name: value}`` an image holds, and its :data:`PROCESS` entry; ``buffers`` supply
+    its out-of-band buffers, in order (writable memory the caller may let the values keep: see
+    gpuhub/kernel/replica.py). ``namespace``: the one the values are for (:func:`install` them
+    there next): notebook functions get it as their globals; without it they share a new dict."""
     if namespace is None:
         return _loads(stream, buffers)
     builtins = namespace.get("__builtins__")

@@ -59,6 +59,17 @@ def _child_phases(forking: float | None, handed: float, marks: dict[str, float],
 SPARE_MAX_IDLE_S = 600.0
 
 
+def send_output_now() -> None:
+    """Hand what the cell printed and displayed to ZeroMQ before its end commits: once it has, a
+    follower's reply may stand in for this replica's if it dies (the router, docs/architecture.md
+    D3), and a client takes nothing after that reply's idle. ipykernel sends a cell's output from
+    its IOPub thread, in order; a flush of stdout waits until that thread has sent all that came
+    before it (displays included), and stderr's is needed only when it holds text."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and (stream is sys.stdout or getattr(stream, "_flush_pending", True)):
+            stream.flush()
+
+
 def _describe_status(status: int, oom_before: memory_limit.OomCounts | None = None) -> str:
     """How a cell's process ended; ``oom_before``: its cgroup's out-of-memory counters when its
     cell began (:mod:`gpuhub.kernel.memory_limit`), so that a kill by the OOM killer says so."""
@@ -544,6 +555,7 @@ class GpuhubKernel(IPythonKernel):
             if sent is not None:
                 self._warn_unreplicable(sent.failed)
                 entry = rep.store_image(sent.stream, sent.names, sent.buffers, live=False)
+        send_output_now()
         ran = time.monotonic()
         self._phases["run"] = ran - began
         try:

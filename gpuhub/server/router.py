@@ -11,10 +11,11 @@ What it does, and why:
   (the cell's msg_id is the key the replicas agree on; see gpuhub/kernel/replica.py);
 * of the N replies, the client gets one: for ``execute_reply`` the executor's (replicas mark it in
   ``metadata["gpuhub"]``), or, once the executor can no longer send it (it died after committing
-  the cell), a follower's, which names that executor; for anything else on shell that of the
-  replica that ran the last cell (only it holds what could not be replicated: a widget's comm for
-  comm_info, an open file for completion), or the first once that one is gone or
-  ``prefer_executor_s`` passed; iopub
+  the cell, its heartbeats stopped, or its shell connection broke since it got the cell), a
+  follower's, which names that executor; for anything else on shell that of the replica that ran
+  the last cell (only it holds what could not be replicated: a widget's comm for comm_info, an
+  open file for completion), or the first once that one cannot answer or ``prefer_executor_s``
+  passed; iopub
   ``status``/``execute_input`` are de-duplicated so the client sees one busy and one idle per
   request, the idle being that of the replica whose reply it got (another's if that replica is
   gone before its idle came); other outputs pass as they come (followers are silent by design);
@@ -158,6 +159,8 @@ class _Request:
     # Another replica's reply, held while the one that should answer may still: (its sender, the
     # reply, its channel, the replica awaited). See _on_replica_reply.
     standby: tuple[int, _Msg, str, int] | None = None
+    sent: dict[int, int] = field(default_factory=dict)  # replica -> its shell breaks when it got this
+    answer_breaks: int = 0  # the answerer's iopub breaks when its reply came (its idle may be lost since)
     stdin_replica: int | None = None
     undelivered: bool = False  # no replica took it once: said in the log once, however often retried
 
@@ -187,6 +190,8 @@ class _Replica:
     # cell: the copy may have died with the connection (a process killed and restarted at that
     # moment), so it is handed the cell again once it is back (_hand_running).
     lost_running: str | None = None
+    # How often each channel's connection broke: what the replica sent meanwhile was dropped.
+    breaks: dict[str, int] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -381,6 +386,9 @@ class KernelRouter:
         """Drop what a replica that is gone (or restarted) asked or answered: its idles and input requests are moot."""
         for req in self._requests.values():
             req.idles.pop(rid, None)
+            req.sent.pop(rid, None)  # a new process there never got it
+            if req.answered_by == rid and not req.idle_sent:
+                req.answer_breaks = -1  # nor will its idle come (_idle_lost)
         for ident, (owner, _) in list(self._stdin_owner.items()):
             if owner == rid:
                 del self._stdin_owner[ident]
@@ -520,6 +528,7 @@ class KernelRouter:
                 await self._hand_running(rep)
             elif event == zmq.EVENT_DISCONNECTED:
                 rep.connected.discard(channel)
+                rep.breaks[channel] = rep.breaks.get(channel, 0) + 1
                 if channel == "iopub_port":
                     rep.welcomed = False  # a new connection is welcomed again
                 running = self._running
@@ -703,6 +712,8 @@ class KernelRouter:
                 await self._send_note(rep, "shell_port", {"cell": msg_id, "missed": True})
             if await self._send(rep.sockets.get(channel), msg.frames, f"replica {rep.id}"):
                 sent.add(rep.id)
+                if msg_id:
+                    self._requests[msg_id].sent[rep.id] = rep.breaks.get(channel, 0)
                 if execute:
                     rep.last_execute = msg_id
         if not sent:
@@ -749,6 +760,7 @@ class KernelRouter:
         if self._running is running and await self._send(
                 rep.sockets.get("shell_port"), running.frames, f"replica {rep.id}"):
             running.sent_to.add(rep.id)
+            self._request(running.msg_id).sent[rep.id] = rep.breaks.get("shell_port", 0)
             rep.last_execute, rep.lost_running = running.msg_id, None
             self.log.info("replica %s %s while %s runs: it got that cell %s", rep.id,
                           "came back" if again else "joined", running.msg_id, "again" if again else "too")
@@ -849,7 +861,7 @@ class KernelRouter:
                 await self._answer_with_standby(parent_id, req)
                 return
         elif (channel == "shell_port" and self._last_executor not in (None, rep.id)
-              and not self._gone(self._last_executor, channel)):
+              and self._can_answer(self._last_executor, req)):
             # Completions, inspection, comm_info, …: the replica that ran the last cell answers, as
             # only it holds what could not be replicated (a widget's comm, an open file).
             if req.standby is None:
@@ -861,8 +873,10 @@ class KernelRouter:
 
     async def _answer(self, parent_id: str, req: _Request, rid: int, msg: _Msg, channel: str) -> None:
         """Forward replica ``rid``'s reply to the client, with its idle if it came first."""
-        req.answered_by = rid
+        req.answered_by, req.standby = rid, None
         self._standing_by.pop(parent_id, None)
+        answerer = self._replicas.get(rid)
+        req.answer_breaks = answerer.breaks.get("iopub_port", 0) if answerer is not None else 0
         if msg.msg_type == "execute_reply":
             gp = msg.metadata().get("gpuhub")
             self._last_executor = rid if isinstance(gp, dict) and gp.get("role") == "executor" else None
@@ -891,7 +905,7 @@ class KernelRouter:
             return
         rid, msg, channel, awaited = req.standby
         execute = msg.msg_type == "execute_reply"
-        if awaited != rid and not self._gone(awaited, "shell_port") and (
+        if awaited != rid and self._can_answer(awaited, req) and (
                 execute or time.monotonic() - req.created < self.prefer_executor_s):
             return
         if execute:
@@ -907,13 +921,22 @@ class KernelRouter:
             else:
                 await self._answer_with_standby(msg_id, req)
 
-    def _gone(self, rid: int, channel: str) -> bool:
-        """Whether replica ``rid`` can no longer send what it owes on ``channel``: it left the group,
-        its heartbeats stopped, or that connection broke (what it sends meanwhile is lost; one that
-        comes back while its cell runs is handed that cell again, _hand_running). A follower that
-        names itself as the executor is such a replica, restarted: its old process held the reply."""
+    def _can_answer(self, rid: int, req: _Request) -> bool:
+        """Whether replica ``rid`` may still send its reply to ``req``: it is in the group, its
+        heartbeats go on, it got the request, and its shell connection has not broken since (a reply
+        sent meanwhile was dropped; a replica that comes back while its cell runs is handed that
+        cell again, _hand_running, and then names itself as the executor: its old process had
+        the reply)."""
         rep = self._replicas.get(rid)
-        return rep is None or not self._is_live(rep, time.monotonic()) or channel not in rep.connected
+        return (rep is not None and self._is_live(rep, time.monotonic()) and rid in req.sent
+                and rep.breaks.get("shell_port", 0) == req.sent[rid])
+
+    def _idle_lost(self, req: _Request) -> bool:
+        """The answerer's idle cannot come any more: it left the group, its heartbeats stopped, or
+        its iopub connection broke since its reply (a PUB drops what it sends meanwhile)."""
+        rep = self._replicas.get(req.answered_by)  # type: ignore[arg-type]
+        return (rep is None or not self._is_live(rep, time.monotonic())
+                or rep.breaks.get("iopub_port", 0) != req.answer_breaks)
 
     async def _send_idle(self, parent_id: str, req: _Request, frames: list[bytes]) -> None:
         req.idle_sent = True
@@ -927,7 +950,7 @@ class KernelRouter:
             req = self._requests.get(msg_id)
             if req is None or req.idle_sent or req.answered_by is None:
                 self._idle_owed.pop(msg_id, None)
-            elif req.idles and self._gone(req.answered_by, "iopub_port"):
+            elif req.idles and self._idle_lost(req):
                 self.log.warning("replica %s answered %s and is gone without its idle; another replica's "
                                  "stands in for it", req.answered_by, msg_id)
                 await self._send_idle(msg_id, req, next(iter(req.idles.values())))

@@ -303,7 +303,10 @@ def test_an_executor_killed_after_its_reply_still_gets_the_client_an_idle(cpu_ke
     os.kill(cpu_kernel.pid(reply["metadata"]["gpuhub"]["replica"]), signal.SIGKILL)
     deadline = time.monotonic() + 30
     while True:
-        msg = cpu_kernel.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            msg = cpu_kernel.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except Empty:
+            pytest.fail("no idle for the cell within 30 s of its executor's death")
         if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status" \
                 and msg["content"]["execution_state"] == "idle":
             break

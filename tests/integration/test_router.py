@@ -344,6 +344,16 @@ async def test_other_requests_are_answered_by_the_replica_that_ran_the_last_cell
         assert reply["content"]["matches"] == ["only_follower"]
 
 
+async def test_a_last_executor_slower_than_prefer_executor_s_is_not_waited_for(replicas):
+    for i, role in enumerate(("follower", "follower", "executor")):
+        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2")
+    async with _routed(replicas, prefer_executor_s=0.0) as (_, _, kc):
+        await _execute(kc, "import os\nexec(f\"only_{os.environ['GPUHUB_TEST_ROLE']} = 1\")")
+        reply = await kc.complete("only_", reply=True, timeout=15)  # the executor answers 0.3 s late
+        assert reply["content"]["matches"] == ["only_follower"]
+        assert await _no_more_shell(kc)
+
+
 async def test_input_round_trip(shared_routed, shared_replicas):
     _, _, kc = shared_routed
     prompts = []
