@@ -67,7 +67,10 @@ def send_output_now() -> None:
     before it (displays included), and stderr's is needed only when it holds text."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None and (stream is sys.stdout or getattr(stream, "_flush_pending", True)):
-            stream.flush()
+            try:
+                stream.flush()
+            except Exception as exc:  # a cell may have left sys.stdout as anything: the commit comes first
+                log.debug("could not flush %r before the commit: %s", stream, exc)
 
 
 def _describe_status(status: int, oom_before: memory_limit.OomCounts | None = None) -> str:
