@@ -849,6 +849,7 @@ class KernelRouter:
         req = self._request(parent_id) if parent_id else None
         if req is None or req.answered_by is not None:
             return  # a duplicate: another replica's reply was already forwarded
+        gp = None
         if msg.msg_type == "execute_reply":
             gp = msg.metadata().get("gpuhub")
             if isinstance(gp, dict) and gp.get("role") != "executor":
@@ -869,17 +870,18 @@ class KernelRouter:
                 self._standing_by[parent_id] = None
             await self._answer_with_standby(parent_id, req)
             return
-        await self._answer(parent_id, req, rep.id, msg, channel)
+        await self._answer(parent_id, req, rep.id, msg, channel, ran_cell=isinstance(gp, dict))
 
-    async def _answer(self, parent_id: str, req: _Request, rid: int, msg: _Msg, channel: str) -> None:
-        """Forward replica ``rid``'s reply to the client, with its idle if it came first."""
+    async def _answer(self, parent_id: str, req: _Request, rid: int, msg: _Msg, channel: str, *,
+                      ran_cell: bool = False) -> None:
+        """Forward replica ``rid``'s reply to the client, with its idle if it came first.
+        ``ran_cell``: an execute_reply from the replica that ran the cell."""
         req.answered_by, req.standby = rid, None
         self._standing_by.pop(parent_id, None)
         answerer = self._replicas.get(rid)
         req.answer_breaks = answerer.breaks.get("iopub_port", 0) if answerer is not None else 0
         if msg.msg_type == "execute_reply":
-            gp = msg.metadata().get("gpuhub")
-            self._last_executor = rid if isinstance(gp, dict) and gp.get("role") == "executor" else None
+            self._last_executor = rid if ran_cell else None
         await self._send(self._client.get(channel), msg.frames, f"client {channel}")
         idle = req.idles.pop(rid, None)
         if idle is not None:
