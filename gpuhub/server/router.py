@@ -705,7 +705,10 @@ class KernelRouter:
         execute = channel == "shell_port" and msg.msg_type == "execute_request"
         sent: set[int] = set()
         for rep in list(self._replicas.values()):
-            if not self._is_live(rep, now):
+            if not self._is_live(rep, now) or (channel == "shell_port" and not rep.ready):
+                # Not ready: back from a restart, its iopub not yet welcomed (what it printed now
+                # would be lost, and its idle with it). It gets a running cell once it is
+                # (_hand_running), and later requests.
                 continue
             if execute and rep.last_execute != self._last_execute:
                 # it did not get the last cell: it must catch up before it acts on the lease
@@ -719,7 +722,7 @@ class KernelRouter:
         if not sent:
             req = self._requests.get(msg_id) if msg_id else None
             if req is None or not req.undelivered:  # once, not at every retry
-                self.log.warning("no live replica took %s %s%s", msg.msg_type, msg_id,
+                self.log.warning("no ready replica took %s %s%s", msg.msg_type, msg_id,
                                  ": held until one does" if channel == "shell_port" else "")
             if req is not None:
                 req.undelivered = True
@@ -971,6 +974,8 @@ class KernelRouter:
                 self._heard_from(rep)
                 await self._check_open()
                 await self._hand_running(rep)
+                if self._open and self._running is None and self._held:
+                    await self._release()  # held while no replica was ready
             return
         if mtype == GROUP_CHANGE:  # for the router only (gpuhub/platform/messages.py)
             target = msg.content().get("target")
