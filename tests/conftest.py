@@ -4,13 +4,25 @@ integration / cluster marker of every test, from its directory; the unit tests' 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
-import pytest
+# Caches of this run's own, set before anything reads them (jedi and matplotlib fix their
+# directories on import): the kernels a run starts (plain ipykernels among them, killed mid-write by
+# the tests of failures) write jedi's completion cache there, and a cache file a killed kernel left
+# truncated in the machine's ~/.cache broke completion for every later run (2026-11-28). pip keeps
+# the machine's cache: a clean venv of tests/integration/test_install.py reuses its wheels.
+_HOME_CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+os.environ.setdefault("PIP_CACHE_DIR", os.path.join(_HOME_CACHE, "pip"))
+RUN_CACHE = tempfile.mkdtemp(prefix="gpuhub-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = RUN_CACHE
 
-from gpuhub.dev.cluster import AgentProcess, DevCluster, SchedulerProcess, current_user  # noqa: F401
+import pytest  # noqa: E402
+
+from gpuhub.dev.cluster import AgentProcess, DevCluster, SchedulerProcess, current_user  # noqa: E402, F401
 
 TESTS = Path(__file__).resolve().parent
 # What a test starts decides where it lives, and so its marker (declared in pyproject.toml):
@@ -33,6 +45,10 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid}: a test lives in one of tests/{{{','.join(KIND_OF_DIR)}}}/ (what it starts "
                 "decides which: tests/conftest.py KIND_OF_DIR)")
         item.add_marker(kind)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def pytest_sessionstart(session):

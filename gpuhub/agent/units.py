@@ -325,7 +325,9 @@ class ProcessRunner(SystemdRunner):
         write_private(self.runtime_dir / "units" / f"{spec.name}.env", env_text, me.pw_uid, me.pw_gid)
         # SSL_CERT_FILE: the trust store the agent was given stands for the host's (/etc/ssl/certs,
         # which systemd units read) so that a unit's calls to an agent on TLS verify as they would there.
-        keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL", "SSL_CERT_FILE")
+        # XDG_CACHE_HOME: the user's caches (jedi's, matplotlib's) are where the agent's caller keeps them.
+        keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GPUHUB_LOG_LEVEL", "SSL_CERT_FILE",
+                "XDG_CACHE_HOME")
         env = {k: v for k, v in os.environ.items() if k in keep}
         env.update(spec.env)
         # Not in a thread: with no await before the process is registered, concurrent starts cannot

@@ -7,6 +7,7 @@ import threading
 
 from ipykernel.kernelapp import IPKernelApp
 
+from gpuhub.kernel.jedi_cache import make_completion_cache_safe
 from gpuhub.kernel.kernel import GpuhubKernel
 
 
@@ -53,6 +54,7 @@ def log_to_the_journal() -> None:
 def main() -> None:
     log_to_the_journal()
     _exit_when_the_heartbeat_dies()
+    make_completion_cache_safe()
     argv = sys.argv[1:]
     if os.environ.get("GPUHUB_PEERS_FILE"):
         # Replicas keep the session's history in memory: three replicas writing one SQLite file
