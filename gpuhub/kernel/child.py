@@ -7,7 +7,8 @@ namespace's GPU tensors back on their devices (:mod:`gpuhub.kernel.devices`), ru
 against its copy-on-write view of the namespace, streams outputs to the parent over a pipe, and
 finally sends the namespace image (:mod:`gpuhub.kernel.image`; GPU values from the host), with
 the bytes of only those large buffers the parent does not hold already. When it exits, the driver
-frees its GPU memory. Nothing here may touch ZeroMQ: the parent's sockets are not fork-safe.
+frees its GPU memory. Nothing here may touch ZeroMQ: the parent's sockets are not fork-safe (what
+the kernel's own code sends on iopub, comms above all, goes through the pipe too: PipeIopub).
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ class PipeStream(io.TextIOBase):
         if self.kernel_stream is None:
             raise io.UnsupportedOperation("fileno")
         return self.kernel_stream.fileno()
+
+
+class PipeIopub:
+    """The kernel's iopub socket in a cell's process. The replica's is served by its I/O thread,
+    which a forked process lacks: what was sent there (comms: ipywidgets, tqdm.auto's progress bars)
+    never left. Here each message goes to the replica as the kernel's session made it (signed, the
+    cell's request as its parent), and out on the replica's iopub as it is."""
+
+    def __init__(self, chan: FrameWriter) -> None:
+        self.chan = chan
+
+    def send_multipart(self, frames, *args, **kwargs) -> None:
+        self.chan.send("iopub", [f if isinstance(f, bytes) else memoryview(f).tobytes() for f in frames])
 
 
 class PipeDisplayPublisher(DisplayPublisher):
@@ -234,6 +248,12 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
         chan.send("error", {"ename": etype.__name__, "evalue": str(evalue), "traceback": stb})
 
     shell._showtraceback = types.MethodType(showtraceback, shell)
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None:
+        kernel.iopub_socket = PipeIopub(chan)
+        # The session refuses to send from a forked process (its sockets are the parent's); the
+        # one socket it may use here is that pipe.
+        kernel.session.check_pid = False
 
     def relayed_input(prompt: str = "", password: bool = False) -> str:
         chan.send("input", str(prompt), password)

@@ -969,6 +969,8 @@ class GpuhubKernel(IPythonKernel):
             self.shell.display_pub.publish(data, metadata, transient=transient, update=update)
         elif kind == "clear":
             self.shell.display_pub.clear_output(msg[1])
+        elif kind == "iopub":  # signed in the cell's process with the kernel's key (child.PipeIopub)
+            self.iopub_socket.send_multipart(msg[1])
         elif kind == "result":
             hook = self.shell.displayhook
             hook.start_displayhook()

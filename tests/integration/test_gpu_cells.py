@@ -449,6 +449,32 @@ def test_a_gpu_cells_stdout_and_stderr_look_like_the_kernels_own(gpu_kernel):
     assert out["stdout"].split() == ["UTF-8", "UTF-8", "0"], out
 
 
+# Comms as ipywidgets (and so tqdm.auto's progress bars) use them: opened, a message, closed.
+COMM_CELL = ("from comm import create_comm\n"
+             "c = create_comm(target_name='gpuhub.test', data={'v': 1}, buffers=[b'raw'])\n"
+             "c.send({'v': 2})\n"
+             "c.close()\n"
+             "del c")
+
+
+def test_a_gpu_cells_comm_messages_reach_the_client(gpu_kernel):
+    """Found with ipywidgets and tqdm.auto: a GPU cell's comm_open and comm_msg went to the
+    replica's iopub socket, whose sending thread does not exist in the forked process, and the
+    frontend never saw them (a progress bar showed "model not found"). A plain ipykernel sends
+    these three, with the cell as their parent."""
+    _, kc, _ = gpu_kernel
+    seen: list[dict] = []
+    reply = kc.execute_interactive(COMM_CELL, timeout=30, output_hook=seen.append)
+    assert reply["content"]["status"] == "ok", reply
+    comms = [m for m in seen if m["msg_type"].startswith("comm_")]
+    assert [(m["msg_type"], m["content"]["data"]) for m in comms] == [
+        ("comm_open", {"v": 1}), ("comm_msg", {"v": 2}), ("comm_close", {})], seen
+    assert comms[0]["content"]["target_name"] == "gpuhub.test"
+    assert [bytes(b) for b in comms[0]["buffers"]] == [b"raw"]
+    assert {m["parent_header"]["msg_id"] for m in comms} == {reply["parent_header"]["msg_id"]}
+    assert len({m["content"]["comm_id"] for m in comms}) == 1
+
+
 def test_agent_restart_between_cells_costs_the_kernel_nothing(gpu_kernel):
     agent, kc, _ = gpu_kernel
     assert run(kc, "x = 1")[0]["status"] == "ok"  # its lease connection to the agent is open now
