@@ -179,6 +179,40 @@ def test_the_working_directory_and_environment_follow_the_cells_to_another_repli
     assert int(replica) != executor
 
 
+SETTINGS = [
+    "%load_ext autoreload\n%autoreload 2",
+    "import warnings, numpy as np, pandas as pd, matplotlib as mpl\n"
+    "warnings.filterwarnings('ignore', message='noisy')\n"
+    "np.set_printoptions(precision=3)\n"
+    "pd.set_option('display.max_rows', 7)\n"
+    "mpl.rcParams['figure.figsize'] = (3.0, 2.0)\n"
+    "mpl.rcParams['axes.prop_cycle'] = mpl.cycler(color=['red', 'blue'])",
+]
+SETTINGS_SHOWN = (
+    "import warnings, numpy as np, pandas as pd, matplotlib as mpl\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.warn('noisy thing'); warnings.warn('other thing')\n"
+    "reloader = get_ipython().magics_manager.registry['AutoreloadMagics']._reloader\n"
+    "print([str(w.message) for w in caught], np.array([1 / 3]), pd.get_option('display.max_rows'),\n"
+    "      mpl.rcParams['figure.figsize'], mpl.rcParams['axes.prop_cycle'].by_key()['color'],\n"
+    "      'autoreload' in get_ipython().extension_manager.loaded, reloader.enabled, reloader.check_all)\n"
+    "del reloader")
+
+
+def test_settings_made_in_cells_follow_them_to_another_replica(kernel):
+    """Found side by side: ``%autoreload 2``, a warnings filter, NumPy's and pandas' options and
+    rcParams live in the process, not in a variable, and were gone once the next cell ran in
+    another process (a GPU cell's, after its linger) or on another replica (here: a failover).
+    gpuhub/kernel/shell_settings.py carries them with each image."""
+    want = plain_streams([*SETTINGS, SETTINGS_SHOWN])[-1]
+    for code in SETTINGS:
+        ok(kernel, code)
+    executor = executor_id(kernel)
+    kill_replica(kernel, executor)
+    assert streams(ok(kernel, SETTINGS_SHOWN)) == want
+    assert executor_id(kernel) != executor
+
+
 def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
     reply, out = run(kernel.kc, "input('name? ')")
     assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)

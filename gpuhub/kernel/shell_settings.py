@@ -1,0 +1,295 @@
+"""Settings cells make in IPython and in common libraries, which live in the process, not in any
+variable: IPython extensions (``%load_ext``) and autoreload's mode (``%autoreload 2``), warnings
+filters (``warnings.filterwarnings("ignore")``), NumPy's print options, pandas' options
+(``pd.set_option``) and Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``).
+
+A plain kernel keeps them in its one process. A gpuhub kernel runs a GPU cell in a process forked
+from its replica, which ends after the cell (or after a short linger), and a cell may run on another
+replica after an election or a failover: each namespace image carries these settings beside the
+working directory and environment (:mod:`gpuhub.kernel.process_state`, the image's ``<process>``
+entry, key ``settings``), and each replica that loads an image takes them on, so the next cell's
+process starts with them.
+
+Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so
+the image always pickles and loads, and a setting one replica cannot take (a warning category or an
+extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
+function, rcParams whose values are objects other than a color cycle, logging configuration.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import sys
+import warnings
+
+from gpuhub.kernel.quiet import silenced
+
+log = logging.getLogger(__name__)
+
+_PRIMITIVES = (str, int, float, bool, type(None))
+_baseline_filters: list | None = None
+_refused: set[str] = set()  # settings already logged as not taken here
+
+
+def take_baseline() -> None:
+    """The warnings filters the cells start from (the kernel calls it as it is built): an image
+    carries the list only once a cell changed it, so an unchanged namespace gives an unchanged image."""
+    global _baseline_filters
+    _baseline_filters = _filters()
+
+
+def _plain(value):
+    """``value`` as plain data, or raise ValueError."""
+    if isinstance(value, _PRIMITIVES):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise ValueError(type(value).__name__)
+
+
+def _refuse(what: str, exc: BaseException) -> None:
+    if what not in _refused:
+        _refused.add(what)
+        log.warning("cannot take the notebook's setting %s here: %s: %s", what, type(exc).__name__, exc)
+
+
+# ------------------------------------------------------------------ IPython extensions, autoreload
+
+_AUTORELOAD = ("enabled", "check_all", "autoload_obj", "hide_errors")
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _autoreloader(shell):
+    magics = shell.magics_manager.registry.get("AutoreloadMagics")
+    return getattr(magics, "_reloader", None)
+
+
+def _capture_ipython() -> dict:
+    shell = _shell()
+    if shell is None:
+        return {}
+    out: dict = {"extensions": sorted(shell.extension_manager.loaded)}
+    reloader = _autoreloader(shell)
+    if reloader is not None:
+        out["autoreload"] = {**{k: bool(getattr(reloader, k, False)) for k in _AUTORELOAD},
+                             "modules": sorted(reloader.modules), "skip": sorted(reloader.skip_modules)}
+    return out
+
+
+def _apply_ipython(state: dict) -> None:
+    shell = _shell()
+    if shell is None:
+        return
+    for name in state.get("extensions") or ():
+        if name not in shell.extension_manager.loaded:
+            try:
+                shell.extension_manager.load_extension(name)
+            except Exception as exc:  # not installed on this server, or it fails here
+                _refuse(f"%load_ext {name}", exc)
+    wanted = state.get("autoreload")
+    reloader = _autoreloader(shell) if wanted else None
+    if reloader is not None:
+        for k in _AUTORELOAD:
+            setattr(reloader, k, bool(wanted.get(k)))
+        reloader.modules = dict.fromkeys(wanted.get("modules") or (), True)
+        reloader.skip_modules = dict.fromkeys(wanted.get("skip") or (), True)
+
+
+# ------------------------------------------------------------------ warnings filters
+
+def _category_name(category: type) -> str:
+    return f"{category.__module__}:{category.__qualname__}"
+
+
+def _category(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Warning)):
+        raise TypeError(f"{name} is not a Warning class")
+    return obj
+
+
+def _filters() -> list:
+    return [[action, getattr(message, "pattern", message or ""), _category_name(category),
+             getattr(module, "pattern", module or ""), lineno]
+            for action, message, category, module, lineno in warnings.filters]
+
+
+def _apply_filters(wanted: list) -> None:
+    if _filters() == wanted:
+        return
+    rebuilt = []
+    for action, message, category, module, lineno in wanted:
+        try:
+            # as warnings.filterwarnings builds an entry (the message's pattern ignores case)
+            rebuilt.append((action, re.compile(message, re.I) if message else None, _category(category),
+                            re.compile(module) if module else None, lineno))
+        except Exception as exc:  # a category of a module this server lacks
+            _refuse(f"warnings filter for {category}", exc)
+    warnings.filters[:] = rebuilt
+    warnings._filters_mutated()  # type: ignore[attr-defined]  # (what filterwarnings calls: caches reset)
+
+
+# ------------------------------------------------------------------ NumPy, pandas, Matplotlib
+
+def _capture_numpy() -> dict | None:
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    out = {}
+    for k, v in sorted(np.get_printoptions().items()):
+        try:
+            out[k] = _plain(v)
+        except ValueError:
+            pass  # a formatter's functions: not carried
+    return out
+
+
+def _apply_numpy(wanted: dict) -> None:
+    import numpy as np
+    current = np.get_printoptions()
+    changed = {k: v for k, v in wanted.items() if current.get(k) != v}
+    if changed:
+        np.set_printoptions(**changed)
+
+
+def _pandas_options():
+    """pandas' registered options and their current values (pandas keeps no public list of them)."""
+    from pandas._config import config
+    for key, option in config._registered_options.items():
+        if key in config._deprecated_options:
+            continue
+        node = config._global_config
+        for part in key.split("."):
+            node = node[part]
+        yield key, option.defval, node
+
+
+def _capture_pandas() -> dict | None:
+    if "pandas" not in sys.modules:
+        return None
+    out = {}
+    try:
+        for key, default, value in _pandas_options():
+            if value != default:
+                try:
+                    out[key] = _plain(value)
+                except ValueError:
+                    pass
+    except Exception as exc:  # another pandas than the one this was written against
+        _refuse("pandas options", exc)
+        return None
+    return dict(sorted(out.items()))
+
+
+def _apply_pandas(wanted: dict) -> None:
+    import pandas as pd
+    for key, default, value in list(_pandas_options()):
+        target = wanted.get(key, default)
+        if value != target and (key in wanted or value != default):
+            try:
+                pd.set_option(key, target)
+            except Exception as exc:
+                _refuse(f"pandas option {key}", exc)
+
+
+_RC_SKIPPED = frozenset({"backend", "backend_fallback", "interactive"})  # each process's own
+
+
+def _rc_value(key: str, value):
+    if key == "axes.prop_cycle":
+        return repr(value)  # a Cycler: rcParams takes back its repr
+    return _plain(value)
+
+
+def _capture_matplotlib() -> dict | None:
+    mpl = sys.modules.get("matplotlib")
+    if mpl is None or not hasattr(mpl, "rcParamsDefault"):
+        return None
+    defaults, out = mpl.rcParamsDefault, {}
+    for key, value in dict.items(mpl.rcParams):
+        if key in _RC_SKIPPED or dict.get(defaults, key) == value:
+            continue
+        try:
+            out[key] = _rc_value(key, value)
+        except ValueError:
+            pass
+    return dict(sorted(out.items()))
+
+
+def _apply_matplotlib(wanted: dict) -> None:
+    import matplotlib as mpl
+    defaults = mpl.rcParamsDefault
+    for key, value in dict.items(mpl.rcParams):
+        if key in _RC_SKIPPED:
+            continue
+        if key in wanted:
+            try:
+                same = _rc_value(key, value) == wanted[key]
+            except ValueError:
+                same = False
+            if not same:
+                try:
+                    mpl.rcParams[key] = wanted[key]
+                except Exception as exc:
+                    _refuse(f"rcParams[{key!r}]", exc)
+        elif dict.get(defaults, key) != value:
+            mpl.rcParams[key] = dict.get(defaults, key)
+
+
+# ------------------------------------------------------------------ the whole
+
+def capture() -> dict:
+    """This process's settings, as plain data in a stable order. Only what a cell can have changed:
+    a library that was never imported has nothing here."""
+    out: dict = {}
+    try:
+        out.update(_capture_ipython())
+    except Exception as exc:  # an IPython whose internals moved: the rest still goes
+        _refuse("IPython extensions", exc)
+    filters = _filters()
+    if filters != _baseline_filters:
+        out["warnings"] = filters
+    for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib)):
+        try:
+            value = take()
+        except Exception as exc:
+            _refuse(f"{name} settings", exc)
+            continue
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def apply(state: dict) -> None:
+    """Take on ``state`` (from :func:`capture`, maybe in another process). Never raises: a setting
+    that cannot be taken here is logged once. What taking them prints or warns (an extension
+    loading, a library imported for its options) never reaches the notebook."""
+    if not isinstance(state, dict):
+        return
+    _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))  # not in silenced():
+    with silenced():  # its catch_warnings() would put the filters back on the way out
+        _step("IPython", _apply_ipython, state)
+        _step("numpy", _apply_numpy, state.get("numpy"))
+        _step("pandas", _apply_pandas, state.get("pandas"))
+        _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))
+
+
+def _step(name: str, step, wanted) -> None:
+    if wanted is None:
+        return
+    try:
+        step(wanted)
+    except Exception as exc:
+        _refuse(f"{name} settings", exc)

@@ -1,0 +1,104 @@
+"""Settings cells make in libraries (gpuhub/kernel/shell_settings.py): captured as plain data,
+taken on by another process (here: this one, after the settings were undone)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import warnings
+
+import matplotlib as mpl
+import numpy as np
+import pandas as pd
+import pytest
+
+from gpuhub.kernel import shell_settings
+
+
+@pytest.fixture(autouse=True)
+def _restored():
+    """Each test leaves this process's settings as it found them."""
+    filters = list(warnings.filters)
+    printoptions = np.get_printoptions()
+    rc = dict(mpl.rcParams)
+    shell_settings.take_baseline()
+    shell_settings._refused.clear()
+    yield
+    warnings.filters[:] = filters
+    warnings._filters_mutated()
+    np.set_printoptions(**printoptions)
+    pd.reset_option("display.max_rows")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated keys among them
+        mpl.rcParams.update(rc)
+
+
+def _undone() -> None:
+    """What a process forked from the replica has: none of the cells' settings."""
+    shell_settings.apply({})  # warnings back to the baseline, nothing else changes
+    np.set_printoptions(precision=8)
+    pd.reset_option("display.max_rows")
+    mpl.rcdefaults()
+
+
+def test_an_unchanged_process_carries_no_warnings_and_the_same_data_each_time():
+    first = shell_settings.capture()
+    assert "warnings" not in first
+    assert shell_settings.capture() == first
+    assert pickle.loads(pickle.dumps(first)) == first  # plain data: an image always pickles it
+
+
+def test_settings_are_taken_on_in_another_process():
+    warnings.filterwarnings("ignore", message="noisy", category=UserWarning)
+    np.set_printoptions(precision=3)
+    pd.set_option("display.max_rows", 7)
+    mpl.rcParams["figure.figsize"] = (3.0, 2.0)
+    mpl.rcParams["axes.prop_cycle"] = mpl.cycler(color=["red", "blue"])
+    state = pickle.loads(pickle.dumps(shell_settings.capture()))
+    _undone()
+    assert np.get_printoptions()["precision"] == 8
+    shell_settings.apply(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("noisy thing", stacklevel=1)
+        warnings.warn("other thing", stacklevel=1)
+    assert [str(w.message) for w in caught] == ["other thing"]
+    assert repr(np.array([1 / 3])) == "array([0.333])"
+    assert pd.get_option("display.max_rows") == 7
+    assert mpl.rcParams["figure.figsize"] == [3.0, 2.0]
+    assert mpl.rcParams["axes.prop_cycle"].by_key()["color"] == ["red", "blue"]
+    assert shell_settings.capture() == state
+
+
+def test_settings_a_cell_undid_are_undone_in_the_other_process_too():
+    pd.set_option("display.max_rows", 7)
+    mpl.rcParams["figure.figsize"] = (3.0, 2.0)
+    state = shell_settings.capture()
+    pd.reset_option("display.max_rows")
+    mpl.rcdefaults()
+    undone = shell_settings.capture()
+    shell_settings.apply(state)
+    shell_settings.apply(undone)
+    assert pd.get_option("display.max_rows") == 60
+    assert mpl.rcParams["figure.figsize"] == mpl.rcParamsDefault["figure.figsize"]
+
+
+def test_a_setting_this_process_cannot_take_is_skipped_and_logged_once(caplog):
+    warnings.filterwarnings("ignore", message="kept", category=UserWarning)
+    state = shell_settings.capture()
+    state["warnings"].insert(0, ["ignore", "", "no_such_module_here:FancyWarning", "", 0])
+    state["pandas"]["no.such.option"] = 1
+    _undone()
+    caplog.set_level(logging.WARNING, logger="gpuhub.kernel.shell_settings")
+    shell_settings.apply(state)
+    shell_settings.apply(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("kept", stacklevel=1)
+        warnings.warn("shown", stacklevel=1)
+    assert [str(w.message) for w in caught] == ["shown"]
+    assert caplog.text.count("no_such_module_here:FancyWarning") == 1
+
+
+def test_whatever_a_state_holds_apply_never_raises():
+    for state in (None, "x", {"warnings": "x"}, {"numpy": {"precision": "many"}}, {"pandas": 3},
+                  {"matplotlib": {"figure.figsize": "big"}}, {"extensions": 5}):
+        shell_settings.apply(state)
