@@ -1,6 +1,7 @@
 """Settings cells make in IPython and in common libraries, which live in the process, not in any
 variable: IPython extensions (``%load_ext``) and autoreload's mode (``%autoreload 2``), warnings
-filters (``warnings.filterwarnings("ignore")``), NumPy's print options, pandas' options
+filters (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the
+notebook (``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
 (``pd.set_option``) and Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``).
 
 A plain kernel keeps them in its one process. A gpuhub kernel runs a GPU cell in a process forked
@@ -13,7 +14,8 @@ process starts with them.
 Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so
 the image always pickles and loads, and a setting one replica cannot take (a warning category or an
 extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
-function, rcParams whose values are objects other than a color cycle, logging configuration.
+function, rcParams whose values are objects other than a color cycle, logging handlers other than
+the root logger's to sys.stdout/sys.stderr, other loggers' levels.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ log = logging.getLogger(__name__)
 
 _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
+_baseline_logging: dict | None = None
 _refused: set[str] = set()  # settings already logged as not taken here
 
 
 def take_baseline() -> None:
     """The warnings filters the cells start from (the kernel calls it as it is built): an image
     carries the list only once a cell changed it, so an unchanged namespace gives an unchanged image."""
-    global _baseline_filters
+    global _baseline_filters, _baseline_logging
     _baseline_filters = _filters()
+    _baseline_logging = _logging()
 
 
 def _plain(value):
@@ -139,6 +143,45 @@ def _apply_filters(wanted: list) -> None:
             _refuse(f"warnings filter for {category}", exc)
     warnings.filters[:] = rebuilt
     warnings._filters_mutated()  # type: ignore[attr-defined]  # (what filterwarnings calls: caches reset)
+
+
+# ------------------------------------------------------------------ the root logger
+
+_STYLE_OF = {style: key for key, (style, _) in logging._STYLES.items()}  # type: ignore[attr-defined]
+
+
+def _describe(handler: logging.Handler) -> list | None:
+    """A root handler as basicConfig makes it (to the notebook's stdout or stderr), as plain data;
+    None for any other handler (it stays the process's own)."""
+    if type(handler) is not logging.StreamHandler:
+        return None
+    stream = "stderr" if handler.stream is sys.stderr else "stdout" if handler.stream is sys.stdout else None
+    if stream is None:
+        return None
+    f = handler.formatter
+    return [stream, handler.level, f._fmt if f else None, f.datefmt if f else None,
+            _STYLE_OF.get(type(f._style), "%") if f else "%"]
+
+
+def _logging() -> dict:
+    root = logging.getLogger()
+    return {"level": root.level,
+            "handlers": [d for h in root.handlers if (d := _describe(h)) is not None]}
+
+
+def _apply_logging(wanted: dict) -> None:
+    if _logging() == wanted:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if _describe(h) is not None]:
+        root.removeHandler(handler)
+    for stream, level, fmt, datefmt, style in wanted["handlers"]:
+        handler = logging.StreamHandler(getattr(sys, stream))
+        handler.setLevel(level)
+        if fmt is not None or datefmt is not None:
+            handler.setFormatter(logging.Formatter(fmt, datefmt, style))
+        root.addHandler(handler)
+    root.setLevel(wanted["level"])
 
 
 # ------------------------------------------------------------------ NumPy, pandas, Matplotlib
@@ -261,6 +304,9 @@ def capture() -> dict:
     filters = _filters()
     if filters != _baseline_filters:
         out["warnings"] = filters
+    root = _logging()
+    if root != _baseline_logging:
+        out["logging"] = root
     for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib)):
         try:
             value = take()
@@ -278,8 +324,11 @@ def apply(state: dict) -> None:
     loading, a library imported for its options) never reaches the notebook."""
     if not isinstance(state, dict):
         return
-    _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))  # not in silenced():
-    with silenced():  # its catch_warnings() would put the filters back on the way out
+    # Not in silenced(): its catch_warnings() would put the filters back on the way out, and a
+    # handler made there would write to its sink instead of sys.stderr.
+    _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))
+    _step("logging", _apply_logging, state.get("logging", _baseline_logging))
+    with silenced():
         _step("IPython", _apply_ipython, state)
         _step("numpy", _apply_numpy, state.get("numpy"))
         _step("pandas", _apply_pandas, state.get("pandas"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import warnings
 
 import matplotlib as mpl
@@ -102,3 +103,28 @@ def test_whatever_a_state_holds_apply_never_raises():
     for state in (None, "x", {"warnings": "x"}, {"numpy": {"precision": "many"}}, {"pandas": 3},
                   {"matplotlib": {"figure.figsize": "big"}}, {"extensions": 5}):
         shell_settings.apply(state)
+
+
+def test_the_root_loggers_level_and_its_handlers_to_the_notebook_are_taken_on():
+    root, level = logging.getLogger(), logging.getLogger().level
+    ours = lambda: [h for h in root.handlers if type(h) is logging.StreamHandler]  # noqa: E731
+    handler = logging.StreamHandler(sys.stderr)  # as logging.basicConfig makes it
+    handler.setFormatter(logging.Formatter("{levelname} {message}", style="{"))
+    handler.setLevel(logging.DEBUG)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        state = pickle.loads(pickle.dumps(shell_settings.capture()))
+        root.removeHandler(handler)
+        root.setLevel(level)
+        shell_settings.apply(state)
+        [made] = ours()
+        assert (made.stream, made.level, made.formatter._fmt, root.level) == (
+            sys.stderr, logging.DEBUG, "{levelname} {message}", logging.INFO)
+        assert made.formatter.format(logging.makeLogRecord({"levelname": "INFO", "msg": "x"})) == "INFO x"
+        shell_settings.apply({})  # a state from before basicConfig: none again
+        assert ours() == [] and root.level == level
+    finally:
+        for h in ours():
+            root.removeHandler(h)
+        root.setLevel(level)
