@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import sys
 import threading
@@ -63,6 +64,9 @@ class CellProcess:
             pipe.widen(fds[3])  # "go" names every stored value: not a write that waits on the child
             sys.stdout.flush()
             sys.stderr.flush()
+            # Python reseeds `random` in every forked child; a cell's process continues the
+            # notebook's sequence instead (the replica holds it: gpuhub/kernel/random_state.py).
+            generator = random.getstate()
             pid = os.fork()
         except BaseException:
             for fd in fds:
@@ -71,6 +75,7 @@ class CellProcess:
         out_r, out_w, in_r, in_w = fds
         if pid == 0:  # the child: never returns
             try:
+                random.setstate(generator)
                 os.close(out_r)
                 os.close(in_w)
                 child.serve(shell, dict(resident), out_fd=out_w, in_fd=in_r)

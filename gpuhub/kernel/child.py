@@ -18,6 +18,7 @@ import builtins
 import ctypes
 import getpass
 import io
+import logging
 import os
 import pickle
 import signal
@@ -235,8 +236,10 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
     """Once per process, before its first cell: its GPUs, its output and input through the pipes,
     the namespace's tensors back on their GPUs."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
-    sys.stdout = PipeStream("stdout", chan, sys.stdout)
-    sys.stderr = PipeStream("stderr", chan, sys.stderr)
+    streams = {id(sys.stdout): PipeStream("stdout", chan, sys.stdout),
+               id(sys.stderr): PipeStream("stderr", chan, sys.stderr)}
+    sys.stdout, sys.stderr = streams[id(sys.stdout)], streams[id(sys.stderr)]
+    _rebind_log_handlers(streams)
     publisher, hook = _display or _display_objects(shell)  # traitlets objects: slow to build per cell
     publisher.chan = hook.chan = chan
     shell.display_pub = publisher
@@ -272,6 +275,21 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
 
     devices.move_tagged_to_devices()
     shell.history_manager.db_cache_size = sys.maxsize  # never flushed here: the parent writes it
+
+
+def _rebind_log_handlers(streams: dict[int, PipeStream]) -> None:
+    """Log handlers made in the replica write to its sys.stdout/sys.stderr (``logging.basicConfig``
+    in an earlier cell, taken on from its image: gpuhub/kernel/shell_settings.py). From a forked
+    process, ipykernel sends what is written there through a socket of its own, apart from the
+    cell's other output: it came after the cell's idle, or not at all when the process ended at
+    once (a line logged just before an exception was lost). They write to this process's streams."""
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            new = streams.get(id(getattr(handler, "stream", None)))
+            if new is not None and isinstance(handler, logging.StreamHandler):
+                handler.stream = new  # not setStream(): flushing the kernel's stream here would touch its socket
 
 
 def _run_cell(shell, cell: dict, chan: FrameWriter, known_digest, marks: dict) -> SentImage:

@@ -25,8 +25,9 @@ output history *is* replicated: ``_``, ``__``, ``___``, ``_3`` and ``Out`` (whos
 cannot be pickled are left out of the image, never the whole dict). A name whose value cannot be
 pickled stays on the executor only; the caller warns. Beside the names, the image carries the
 working directory and the environment variables the cells set (:mod:`gpuhub.kernel.process_state`)
-and the settings they made in IPython and common libraries (:mod:`gpuhub.kernel.shell_settings`),
-under :data:`PROCESS`, a key no Python name can be.
+the settings they made in IPython and common libraries (:mod:`gpuhub.kernel.shell_settings`) and
+the global random generators' state (:mod:`gpuhub.kernel.random_state`), under :data:`PROCESS`, a
+key no Python name can be.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import dirty, process_state, shell_settings, tensors
+from gpuhub.kernel import dirty, process_state, random_state, shell_settings, tensors
 from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
@@ -260,7 +261,8 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     names = replicated_names(ns, hidden)
     failed: dict[str, str] = {}
     image = {name: ns[name] for name in names}
-    image[PROCESS] = {**process_state.capture(), "settings": shell_settings.capture()}
+    image[PROCESS] = {**process_state.capture(), "settings": shell_settings.capture(),
+                      "random": random_state.capture()}
     if isinstance(image.get(OUT), dict):
         image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
     _out_of_band_bytes(image, min_buffer)
@@ -329,6 +331,7 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     if isinstance(process, dict):
         process_state.apply(process)
         shell_settings.apply(process.get("settings"))
+        random_state.apply(process.get("random"))
     candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
     for name in candidates:
         if name not in image and name != OUT:

@@ -26,7 +26,7 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import dirty, hugepages, memory_limit, process_state, shell_settings
+from gpuhub.kernel import dirty, hugepages, memory_limit, process_state, random_state, shell_settings
 from gpuhub.kernel import image as images
 from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess, LingeringProcess
 from gpuhub.kernel.moves import MoveRequests
@@ -167,6 +167,7 @@ class GpuhubKernel(IPythonKernel):
         if self.replica is not None:
             process_state.take_baseline()  # before any cell: what cells change is carried in each image
             shell_settings.take_baseline()
+            random_state.take_baseline()
             # ipykernel sleeps 0.5 ms between flushing a cell's output and sending its reply (a
             # mitigation, its comment says), which every cell of three replicas paid on its path.
             # Clients take a cell's output until its idle, which follows that output on the same

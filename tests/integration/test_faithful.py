@@ -215,6 +215,24 @@ def test_settings_made_in_cells_follow_them_to_another_replica(kernel):
     assert executor_id(kernel) != executor
 
 
+RANDOM_SEEDED = "import random, time, numpy as np\nrandom.seed(0)\nnp.random.seed(0)"
+# drawn after a pause: the replicas' Raft exchanges messages meanwhile
+RANDOM_DRAWN = "time.sleep(1.5)\nprint(random.random(), np.random.rand(), random.gauss(0, 1))"
+
+
+def test_seeded_random_generators_continue_their_sequence_in_later_cells_and_after_a_failover(kernel):
+    """Found side by side: on a CPU kernel pysyncobj drew its election timeouts from the `random`
+    module's generator, so a seeded notebook's next draws differed from a plain kernel's
+    (gpuhub/replication/__init__.py); and a cell on another replica (a failover; for a GPU kernel
+    any cell's fresh process) drew from that replica's unseeded generators
+    (gpuhub/kernel/random_state.py)."""
+    want = plain_streams([RANDOM_SEEDED, RANDOM_DRAWN, RANDOM_DRAWN])
+    assert streams(ok(kernel, RANDOM_SEEDED)) == want[0]
+    assert streams(ok(kernel, RANDOM_DRAWN)) == want[1]
+    kill_replica(kernel, executor_id(kernel))
+    assert streams(ok(kernel, RANDOM_DRAWN)) == want[2]
+
+
 def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
     reply, out = run(kernel.kc, "input('name? ')")
     assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)

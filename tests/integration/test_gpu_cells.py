@@ -540,20 +540,23 @@ def test_a_gpu_cells_working_directory_and_environment_reach_the_next_cells_proc
 
 
 def test_settings_a_gpu_cell_made_reach_the_next_cells_process(fresh_gpu_kernel):
-    """``%autoreload 2``, a warnings filter, ``logging.basicConfig`` and NumPy's print options live
-    in the cell's process, which ends after the cell: the next cell's process starts with them all
-    the same (gpuhub/kernel/shell_settings.py; pandas and rcParams: test_faithful.py)."""
+    """``%autoreload 2``, a warnings filter, ``logging.basicConfig``, NumPy's print options and the
+    seeded random generators live in the cell's process, which ends after the cell: the next cell's
+    process starts with them all the same (gpuhub/kernel/shell_settings.py, random_state.py;
+    pandas and rcParams: test_faithful.py)."""
     _, kc, _ = fresh_gpu_kernel
     reply, out = run(kc, "%load_ext autoreload\n%autoreload 2\nimport os, warnings, numpy as np\n"
                          "warnings.simplefilter('error', UserWarning)\nnp.set_printoptions(precision=2)\n"
                          "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
-                         "first = os.getpid()")
+                         "import random\nrandom.seed(0)\nnp.random.seed(0)\nfirst = os.getpid()")
     assert reply["status"] == "ok", out
     reply, out = run(kc, "reloader = get_ipython().magics_manager.registry['AutoreloadMagics']._reloader\n"
-                         "print(os.getpid() != first, reloader.check_all, np.array([2 / 3]))\n"
+                         "print(os.getpid() != first, reloader.check_all, np.array([2 / 3]), random.random(),\n"
+                         "      float(np.random.rand()))\n"
                          "del reloader\nlogging.getLogger('x').info('logged')\nwarnings.warn('raised')")
     assert reply["status"] == "error" and reply["ename"] == "UserWarning", (reply, out)
-    assert out["stdout"].split() == ["True", "True", "[0.67]"], out
+    # what the first draws after seed(0) are, in any Python and NumPy (both keep their streams)
+    assert out["stdout"].split() == ["True", "True", "[0.67]", "0.8444218515250481", "0.5488135039273248"], out
     assert out["stderr"] == "INFO logged\n", out
 
 

@@ -63,3 +63,19 @@ def test_torch_training_across_cells_prints_plain_ipykernels_losses(kernel, plai
     after = ok(kernel, AFTER, timeout=120)["stdout"]
     assert after == plain[4]
     assert after.split()[0] == "True"
+
+
+SEEDED = "torch.manual_seed(1)"
+DRAWN = "print(torch.rand(3).tolist(), torch.nn.functional.dropout(torch.ones(4), 0.5).tolist())"
+
+
+def test_torchs_seeded_generator_continues_its_sequence_after_a_failover(kernel):
+    """The global generator torch.manual_seed seeds is process state: on another replica (a
+    failover; for a GPU kernel, any fresh cell process) the draws came from that replica's own
+    (gpuhub/kernel/random_state.py)."""
+    want = plain_outputs([SETUP, SEEDED, DRAWN, DRAWN])
+    for code in (SETUP, SEEDED):
+        ok(kernel, code, timeout=120)
+    assert ok(kernel, DRAWN)["stdout"] == want[2]
+    kill_replica(kernel, executor_id(kernel))
+    assert ok(kernel, DRAWN, timeout=120)["stdout"] == want[3]
