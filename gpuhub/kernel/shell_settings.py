@@ -1,5 +1,6 @@
 """Settings cells make in IPython and in common libraries, which live in the process, not in any
-variable: IPython extensions (``%load_ext``) and autoreload's mode (``%autoreload 2``), warnings
+variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``), ``%precision``
+and ``%xmode``, the module search path (``sys.path.insert(0, "../src")``), warnings
 filters (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the
 notebook (``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
 (``pd.set_option``) and Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``).
@@ -33,15 +34,17 @@ log = logging.getLogger(__name__)
 _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
+_baseline_path: list[str] | None = None
 _refused: set[str] = set()  # settings already logged as not taken here
 
 
 def take_baseline() -> None:
     """The warnings filters the cells start from (the kernel calls it as it is built): an image
     carries the list only once a cell changed it, so an unchanged namespace gives an unchanged image."""
-    global _baseline_filters, _baseline_logging
+    global _baseline_filters, _baseline_logging, _baseline_path
     _baseline_filters = _filters()
     _baseline_logging = _logging()
+    _baseline_path = list(sys.path)
 
 
 def _plain(value):
@@ -81,7 +84,9 @@ def _capture_ipython() -> dict:
     shell = _shell()
     if shell is None:
         return {}
-    out: dict = {"extensions": sorted(shell.extension_manager.loaded)}
+    out: dict = {"extensions": sorted(shell.extension_manager.loaded),
+                 "precision": shell.display_formatter.formatters["text/plain"].float_precision,
+                 "xmode": shell.InteractiveTB.mode}
     reloader = _autoreloader(shell)
     if reloader is not None:
         out["autoreload"] = {**{k: bool(getattr(reloader, k, False)) for k in _AUTORELOAD},
@@ -99,6 +104,11 @@ def _apply_ipython(state: dict) -> None:
                 shell.extension_manager.load_extension(name)
             except Exception as exc:  # not installed on this server, or it fails here
                 _refuse(f"%load_ext {name}", exc)
+    plain = shell.display_formatter.formatters["text/plain"]
+    if isinstance(state.get("precision"), str) and plain.float_precision != state["precision"]:
+        plain.float_precision = state["precision"]
+    if isinstance(state.get("xmode"), str) and shell.InteractiveTB.mode != state["xmode"]:
+        shell.InteractiveTB.set_mode(state["xmode"])
     wanted = state.get("autoreload")
     reloader = _autoreloader(shell) if wanted else None
     if reloader is not None:
@@ -106,6 +116,29 @@ def _apply_ipython(state: dict) -> None:
             setattr(reloader, k, bool(wanted.get(k)))
         reloader.modules = dict.fromkeys(wanted.get("modules") or (), True)
         reloader.skip_modules = dict.fromkeys(wanted.get("skip") or (), True)
+
+
+# ------------------------------------------------------------------ the module search path
+
+def _path_change(base: list[str], path: list[str]) -> list:
+    """``path`` as [entries before this replica's own, entries after], when a cell only added
+    around it (``sys.path.insert(0, ...)``, ``.append(...)``: each replica keeps its own entries,
+    which differ from server to server), else ["whole", path]."""
+    n = len(base)
+    for at in range(len(path) - n + 1):
+        if path[at:at + n] == base:
+            return [path[:at], path[at + n:]]
+    return ["whole", list(path)]
+
+
+def _apply_path(wanted: list) -> None:
+    if wanted[0] == "whole":
+        path = list(wanted[1])
+    else:
+        path = [*wanted[0], *(_baseline_path or ()), *wanted[1]]
+    if sys.path != path:
+        sys.path[:] = path
+        importlib.invalidate_caches()
 
 
 # ------------------------------------------------------------------ warnings filters
@@ -307,6 +340,8 @@ def capture() -> dict:
     root = _logging()
     if root != _baseline_logging:
         out["logging"] = root
+    if _baseline_path is not None and sys.path != _baseline_path:
+        out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
     for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib)):
         try:
             value = take()
@@ -328,6 +363,7 @@ def apply(state: dict) -> None:
     # handler made there would write to its sink instead of sys.stderr.
     _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))
     _step("logging", _apply_logging, state.get("logging", _baseline_logging))
+    _step("path", _apply_path, state.get("path", [[], []] if _baseline_path is not None else None))
     with silenced():
         _step("IPython", _apply_ipython, state)
         _step("numpy", _apply_numpy, state.get("numpy"))

@@ -539,13 +539,17 @@ def test_a_gpu_cells_working_directory_and_environment_reach_the_next_cells_proc
     assert out["stdout"].split() == ["True", str(tmp_path), "1", "None", "3"], out
 
 
-def test_settings_a_gpu_cell_made_reach_the_next_cells_process(fresh_gpu_kernel):
-    """``%autoreload 2``, a warnings filter, ``logging.basicConfig``, NumPy's print options and the
-    seeded random generators live in the cell's process, which ends after the cell: the next cell's
-    process starts with them all the same (gpuhub/kernel/shell_settings.py, random_state.py;
-    pandas and rcParams: test_faithful.py)."""
+def test_settings_a_gpu_cell_made_reach_the_next_cells_process(fresh_gpu_kernel, tmp_path):
+    """``%autoreload 2``, ``%precision``, ``sys.path.insert``, a warnings filter,
+    ``logging.basicConfig``, NumPy's print options and the seeded random generators live in the
+    cell's process, which ends after the cell: the next cell's process starts with them all the
+    same (gpuhub/kernel/shell_settings.py, random_state.py; pandas and rcParams:
+    test_faithful.py). Found trying the kernel as notebooks use it: ``sys.path.insert(0, "../src")``
+    then ``import mymodule`` in a later cell raised ModuleNotFoundError."""
     _, kc, _ = fresh_gpu_kernel
-    reply, out = run(kc, "%load_ext autoreload\n%autoreload 2\nimport os, warnings, numpy as np\n"
+    (tmp_path / "notebook_helpers.py").write_text("ANSWER = 42\n")
+    reply, out = run(kc, f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n%precision 3\n"
+                         "%load_ext autoreload\n%autoreload 2\nimport os, warnings, numpy as np\n"
                          "warnings.simplefilter('error', UserWarning)\nnp.set_printoptions(precision=2)\n"
                          "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
                          "import random\nrandom.seed(0)\nnp.random.seed(0)\nfirst = os.getpid()")
@@ -558,6 +562,8 @@ def test_settings_a_gpu_cell_made_reach_the_next_cells_process(fresh_gpu_kernel)
     # what the first draws after seed(0) are, in any Python and NumPy (both keep their streams)
     assert out["stdout"].split() == ["True", "True", "[0.67]", "0.8444218515250481", "0.5488135039273248"], out
     assert out["stderr"] == "INFO logged\n", out
+    reply, out = run(kc, "import notebook_helpers\nnotebook_helpers.ANSWER / 7")
+    assert reply["status"] == "ok" and out["results"] == ["6.000"], (reply, out)
 
 
 # --- the lingering lease: a cell's process stays for the kernel's next cell ----

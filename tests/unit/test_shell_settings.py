@@ -128,3 +128,21 @@ def test_the_root_loggers_level_and_its_handlers_to_the_notebook_are_taken_on():
         for h in ours():
             root.removeHandler(h)
         root.setLevel(level)
+
+
+def test_paths_a_cell_added_around_the_replicas_own_are_added_around_anothers():
+    base = list(sys.path)
+    try:
+        sys.path.insert(0, "/notebook/src")
+        sys.path.append("/notebook/extra")
+        state = shell_settings.capture()
+        assert state["path"] == [["/notebook/src"], ["/notebook/extra"]]
+        sys.path[:] = base
+        shell_settings._baseline_path = ["/this/replicas/own", *base]  # another server's
+        sys.path.insert(0, "/this/replicas/own")
+        shell_settings.apply(state)
+        assert sys.path == ["/notebook/src", "/this/replicas/own", *base, "/notebook/extra"]
+        shell_settings.apply({})  # a state from before: the replica's own path again
+        assert sys.path == ["/this/replicas/own", *base]
+    finally:
+        sys.path[:] = base
