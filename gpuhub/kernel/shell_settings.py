@@ -3,7 +3,8 @@ variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2
 and ``%xmode``, the module search path (``sys.path.insert(0, "../src")``), warnings
 filters (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the
 notebook (``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
-(``pd.set_option``) and Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``).
+(``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
+global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags).
 
 A plain kernel keeps them in its one process. A gpuhub kernel runs a GPU cell in a process forked
 from its replica, which ends after the cell (or after a short linger), and a cell may run on another
@@ -324,6 +325,48 @@ def _apply_matplotlib(wanted: dict) -> None:
             mpl.rcParams[key] = dict.get(defaults, key)
 
 
+# ------------------------------------------------------------------ PyTorch
+
+def _torch_switches(torch) -> dict:
+    opts = torch._tensor_str.PRINT_OPTS
+    return {"default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+            "print": [opts.precision, opts.threshold, opts.edgeitems, opts.linewidth, opts.sci_mode],
+            "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()],
+            "cudnn": [torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                      torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32],
+            "matmul": [torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32]}
+
+
+def _capture_torch() -> dict | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "get_default_dtype"):
+        return None  # not imported, or still being imported
+    return _torch_switches(torch)
+
+
+def _apply_torch(wanted: dict) -> None:
+    """Only flags: none of these makes a CUDA context (the replica never has one; a cell's process
+    forked from it inherits them)."""
+    import torch
+    now = _torch_switches(torch)
+    if now == wanted:
+        return
+    if now["default_dtype"] != wanted["default_dtype"]:
+        torch.set_default_dtype(getattr(torch, wanted["default_dtype"]))
+    if now["print"] != wanted["print"]:
+        precision, threshold, edgeitems, linewidth, sci_mode = wanted["print"]
+        torch.set_printoptions(precision=precision, threshold=threshold, edgeitems=edgeitems,
+                               linewidth=linewidth, sci_mode=sci_mode)
+    if now["deterministic"] != wanted["deterministic"]:
+        torch.use_deterministic_algorithms(wanted["deterministic"][0], warn_only=wanted["deterministic"][1])
+    cudnn = torch.backends.cudnn
+    cudnn.benchmark, cudnn.deterministic, cudnn.enabled, cudnn.allow_tf32 = wanted["cudnn"]
+    if now["matmul"] != wanted["matmul"]:
+        torch.set_float32_matmul_precision(wanted["matmul"][0])
+        torch.backends.cuda.matmul.allow_tf32 = wanted["matmul"][1]
+
+
 # ------------------------------------------------------------------ the whole
 
 def capture() -> dict:
@@ -342,7 +385,8 @@ def capture() -> dict:
         out["logging"] = root
     if _baseline_path is not None and sys.path != _baseline_path:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
-    for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib)):
+    for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib),
+                       ("torch", _capture_torch)):
         try:
             value = take()
         except Exception as exc:
@@ -369,6 +413,7 @@ def apply(state: dict) -> None:
         _step("numpy", _apply_numpy, state.get("numpy"))
         _step("pandas", _apply_pandas, state.get("pandas"))
         _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))
+        _step("torch", _apply_torch, state.get("torch"))
 
 
 def _step(name: str, step, wanted) -> None:

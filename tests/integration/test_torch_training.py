@@ -79,3 +79,20 @@ def test_torchs_seeded_generator_continues_its_sequence_after_a_failover(kernel)
     assert ok(kernel, DRAWN)["stdout"] == want[2]
     kill_replica(kernel, executor_id(kernel))
     assert ok(kernel, DRAWN, timeout=120)["stdout"] == want[3]
+
+
+SWITCHED = ("torch.set_default_dtype(torch.float64)\ntorch.set_printoptions(precision=2)\n"
+            "torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = True\n"
+            "torch.set_float32_matmul_precision('high')")
+SWITCHES = ("print(torch.tensor([1 / 3]), torch.are_deterministic_algorithms_enabled(),\n"
+            "      torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())")
+
+
+def test_torchs_global_switches_follow_the_cells_after_a_failover(kernel):
+    """Default dtype, print options, deterministic algorithms, cuDNN and matmul flags are process
+    state, as a training notebook's first cell sets them (gpuhub/kernel/shell_settings.py)."""
+    want = plain_outputs([SETUP, SWITCHED, SWITCHES])
+    for code in (SETUP, SWITCHED):
+        ok(kernel, code, timeout=120)
+    kill_replica(kernel, executor_id(kernel))
+    assert ok(kernel, SWITCHES, timeout=120)["stdout"] == want[2]
