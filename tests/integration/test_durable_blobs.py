@@ -19,8 +19,8 @@ from tests.integration.test_replicated import (
     cpu_kernel,  # noqa: F401 - fixture
     dev_cluster,  # noqa: F401 - fixture
     eventually,
-    live_replicas,
     ok,
+    serving_replicas,
 )
 
 
@@ -68,7 +68,7 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
             unit_dir = kernel.cluster.agent(replica["node"]).dir / "run" / "units" / replica["unit"]
             (unit_dir / "pid").write_text(str(procs[-1].pid))
 
-        wait_for(lambda: sorted(live_replicas(kernel)) == sorted(rids), 180, "the router to count them live again")
+        wait_for(lambda: sorted(serving_replicas(kernel)) == sorted(rids), 180, "the router to count them live again")
         # The cell waits until its replica has caught up: the journal, then the large values.
         out = ok(kernel, "print(int(big.sum()), x, small[-1])", timeout=120)
         assert out["stdout"].split() == [str(3 * sum(range(2_000_000))), "1", "9"], out

@@ -20,9 +20,9 @@ from tests.integration.test_replicated import (
     ReplicatedKernel,
     executor_id,
     kill_replica,
-    live_replicas,
     ok,
     plain_outputs,
+    serving_replicas,
     take_the_gpu,
 )
 
@@ -258,13 +258,13 @@ def test_a_replica_that_fell_behind_catches_up_before_it_executes(cluster):
         try:
             # the router's heartbeat timeout (3 s) bounds this, even when the replica is stopped
             # before it ever echoed a heartbeat (its welcome ended its start-up grace)
-            wait_for(lambda: behind["id"] not in live_replicas(kernel), 30,
+            wait_for(lambda: behind["id"] not in serving_replicas(kernel), 30,
                      "the router to skip the stopped replica")
             for _ in range(5):
                 ok(kernel, "counter += 1", timeout=60)
         finally:
             os.kill(kernel.pid(behind["id"]), signal.SIGCONT)
-        wait_for(lambda: behind["id"] in live_replicas(kernel), 30, "the replica to answer the router again")
+        wait_for(lambda: behind["id"] in serving_replicas(kernel), 30, "the replica to answer the router again")
         for agent in cluster.agents:  # only the replica that fell behind can get a GPU now
             if agent.name != behind["node"]:
                 take_the_gpu(agent, "hog-" + agent.name)
@@ -294,12 +294,12 @@ def mark():
         node_of = {r["id"]: r["node"] for r in kernel.record["replicas"]}
         os.kill(kernel.pid(first), signal.SIGSTOP)
         try:
-            wait_for(lambda: first not in live_replicas(kernel), 30, "the router to skip the stopped executor")
+            wait_for(lambda: first not in serving_replicas(kernel), 30, "the router to skip the stopped executor")
             ok(kernel, "mark()", timeout=60)
             ok(kernel, "mark()")
         finally:
             os.kill(kernel.pid(first), signal.SIGCONT)
-        wait_for(lambda: first in live_replicas(kernel), 30, "the router to count the replica live again")
+        wait_for(lambda: first in serving_replicas(kernel), 30, "the router to count the replica live again")
         ok(kernel, "mark()", timeout=60)
         ok(kernel, "mark()")
         lines = runs.read_text().splitlines()
@@ -335,7 +335,7 @@ def test_a_lost_majority_is_an_error_reply_and_the_cell_runs_once_replicas_are_b
         stopped = []
         x = int(ok(kernel, "x += 1\nprint(x)", timeout=60)["stdout"])
         assert x in (2, 3)  # the cell ran once here: on x = 1, or on the kept x = 2
-        wait_for(lambda: len(live_replicas(kernel)) == 3, 30, "every replica live again")
+        wait_for(lambda: len(serving_replicas(kernel)) == 3, 30, "every replica live again")
         ok(kernel, "pass")  # a replica the router skipped meanwhile loads the image with its next cell
         assert {rid: kernel.namespace(rid, ["x"])["x"] for rid in range(3)} == dict.fromkeys(range(3), str(x))
     finally:

@@ -104,10 +104,13 @@ def plain_outputs(cells: list[str], timeout: float = 30) -> list[str]:
         km.shutdown_kernel(now=True)
 
 
-def live_replicas(kernel) -> list[int]:
-    """The replicas the kernel's router sends requests to now (asked on the router's loop)."""
+def serving_replicas(kernel) -> list[int]:
+    """The replicas the kernel's router sends cells to now (asked on the router's loop): live
+    (answering heartbeats) and ready (connected, iopub welcomed). A replica back from a pause
+    answers heartbeats a moment before its iopub is welcomed again; a cell sent in that moment
+    skips it, and it loads that cell's image only with a later one."""
     async def ask():
-        return kernel.router.live_replicas()
+        return kernel.router.ready_replicas()
     return kernel.loop.run(ask())
 
 
@@ -117,7 +120,7 @@ def kill_replica(kernel, rid: int) -> None:
     others cannot know whether it started that cell: they end it with ExecutorLost rather than
     risk running it twice (docs/architecture.md, "One commit per cell")."""
     os.kill(kernel.pid(rid), signal.SIGKILL)
-    wait_for(lambda: rid not in live_replicas(kernel), 30, f"the router to count replica {rid} dead")
+    wait_for(lambda: rid not in serving_replicas(kernel), 30, f"the router to count replica {rid} dead")
 
 
 def assert_equal_namespaces(kernel, names, rids=(0, 1, 2)):
@@ -232,7 +235,7 @@ def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
                           "the restarted replica's namespace equal to the others'")
         assert view["x"].endswith("2") and view["y"].endswith("20") and view["big"].startswith("[3. 3. 3.")
         # the router sends cells to a replica again once it answers its heartbeats
-        wait_for(lambda: idle in live_replicas(cpu_kernel), 30, "the router to count the replica live again")
+        wait_for(lambda: idle in serving_replicas(cpu_kernel), 30, "the router to count the replica live again")
         ok(cpu_kernel, "z = y + 1")
         assert_equal_namespaces(cpu_kernel, ["z"])
     finally:
