@@ -252,6 +252,19 @@ def _picklable(value) -> str | None:
     return None
 
 
+def capture_process() -> dict:
+    """The image's :data:`PROCESS` entry: this process's state beside the names."""
+    return {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture()}
+
+
+def apply_process(process) -> None:
+    """Take on a :data:`PROCESS` entry (an image from before it existed has none). Never raises."""
+    if isinstance(process, dict):
+        process_state.apply(process)
+        shell_settings.apply(process.get("settings"))
+        random_state.apply(process.get("random"))
+
+
 def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None] = lambda mv: None,
             min_buffer: int = BUFFER_MIN_BYTES) -> Capture:
     """Pickle the replicated part of ``ns`` as one object graph (see the module docstring).
@@ -261,8 +274,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     names = replicated_names(ns, hidden)
     failed: dict[str, str] = {}
     image = {name: ns[name] for name in names}
-    image[PROCESS] = {**process_state.capture(), "settings": shell_settings.capture(),
-                      "random": random_state.capture()}
+    image[PROCESS] = capture_process()
     if isinstance(image.get(OUT), dict):
         image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
     _out_of_band_bytes(image, min_buffer)
@@ -327,11 +339,7 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     replicated name not in the image is removed. ``Out`` is updated in place: IPython's
     displayhook and history hold that very dict. The image's working directory and environment
     become this process's (an image from before they were carried leaves both as they are)."""
-    process = image.pop(PROCESS, None)
-    if isinstance(process, dict):
-        process_state.apply(process)
-        shell_settings.apply(process.get("settings"))
-        random_state.apply(process.get("random"))
+    apply_process(image.pop(PROCESS, None))
     candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
     for name in candidates:
         if name not in image and name != OUT:

@@ -27,14 +27,15 @@ MANAGED_PREFIX = "GPUHUB_"
 _baseline: dict[str, str] | None = None
 _start_dir: str | None = None
 _unreachable: set[str] = set()  # directories already logged as missing here
+_memo: tuple[dict, dict] | None = None  # the environment last captured, and its changes
 
 
 def take_baseline() -> None:
     """The environment and directory the cells start from: the kernel calls it as it is built,
     before any cell (what ipykernel's start sets later, such as MPLBACKEND, is carried like a
     cell's change, with the same value everywhere). A GPU cell's process inherits it with the module."""
-    global _baseline, _start_dir
-    _baseline = dict(os.environ)
+    global _baseline, _start_dir, _memo
+    _baseline, _memo = dict(os.environ), None
     try:
         _start_dir = os.getcwd()
     except OSError:
@@ -68,15 +69,27 @@ def capture() -> dict:
     """This process's working directory (None: where it started, or removed under the kernel) and
     the environment variables its cells set or removed, in a stable order (an unchanged namespace
     must give an unchanged image)."""
-    start, env = _start(), os.environ
     try:
         cwd: str | None = os.getcwd()
     except OSError:
         cwd = None
-    return {"cwd": None if cwd == _start_dir else cwd,
-            "set": {k: _change(start.get(k), env[k]) for k in sorted(env)
-                    if not _managed(k) and start.get(k) != env[k]},
-            "unset": sorted(k for k in start if k not in env and not _managed(k))}
+    return {"cwd": None if cwd == _start_dir else cwd, **_environment_changes()}
+
+
+def _environment_changes() -> dict:
+    global _memo
+    # CPython's own mapping of encoded variables: comparing it costs well under a microsecond,
+    # decoding every variable for each image some tens (most cells change none).
+    data = getattr(os.environ, "_data", None)
+    if _memo is not None and data is not None and _memo[0] == data:
+        return _memo[1]
+    start, env = _start(), os.environ
+    changes = {"set": {k: _change(start.get(k), env[k]) for k in sorted(env)
+                       if not _managed(k) and start.get(k) != env[k]},
+               "unset": sorted(k for k in start if k not in env and not _managed(k))}
+    if isinstance(data, dict):
+        _memo = (dict(data), changes)
+    return changes
 
 
 def apply(state: dict) -> None:

@@ -63,3 +63,24 @@ def test_a_directory_this_server_lacks_is_logged_and_skipped(fresh, tmp_path, ca
     with caplog.at_level(logging.WARNING):
         process_state.apply({"cwd": str(tmp_path / "elsewhere"), "set": {}, "unset": []})
     assert os.getcwd() == str(tmp_path) and "A" not in os.environ and not caplog.text  # said once
+
+
+def cells_set() -> dict:
+    """The variables an image carries as set, but pytest's own (PYTEST_CURRENT_TEST, set as each
+    phase of a test begins)."""
+    return {k: v for k, v in process_state.capture()["set"].items() if not k.startswith("PYTEST_")}
+
+
+def test_each_capture_sees_the_environment_as_it_is_now(fresh):
+    """Captures reuse the last one's environment changes while nothing changed (a cheap check per
+    image): a change, and a change undone, show in the next capture."""
+    assert cells_set() == {}
+    os.environ["SEED"] = "1"
+    assert cells_set() == {"SEED": "1"}
+    assert cells_set() == {"SEED": "1"}
+    os.environ["SEED"] = "2"
+    del os.environ["HOME"]
+    assert cells_set() == {"SEED": "2"} and process_state.capture()["unset"] == ["HOME"]
+    os.environ["HOME"] = "/home/u"
+    del os.environ["SEED"]
+    assert cells_set() == {} and process_state.capture()["unset"] == []
