@@ -5,6 +5,7 @@ import os
 import sys
 import threading
 
+import zmq
 from ipykernel.kernelapp import IPKernelApp
 
 from gpuhub.kernel.jedi_cache import make_completion_cache_safe
@@ -51,6 +52,22 @@ def log_to_the_journal() -> None:
         logger.propagate = False  # not into the notebook, whatever the user does with the root logger
 
 
+class ReplicaApp(IPKernelApp):
+    """ipykernel's application, with an iopub that welcomes every subscription (JEP 65).
+
+    ipykernel's XPUB reports a topic's first subscription only. The router's SUB reconnects after
+    a pause (a replica stopped or starved past the ZeroMQ heartbeat timeout); when its new
+    connection subscribes before the replica has dropped the old one, the subscription is a
+    second one to the same topic: never reported, never welcomed, and the router never sends that
+    replica a cell again."""
+
+    def init_iopub(self, context) -> None:
+        super().init_iopub(context)
+        thread = self.iopub_thread
+        # on the IOPub thread, the only one that may touch its socket (it runs already)
+        thread.io_loop.add_callback(thread.socket.setsockopt, zmq.XPUB_VERBOSE, 1)
+
+
 def main() -> None:
     log_to_the_journal()
     _exit_when_the_heartbeat_dies()
@@ -61,7 +78,7 @@ def main() -> None:
         # in a shared home (over NFS, on a cluster) lock each other out ("database is locked"
         # printed into a cell's output), and every replica records every cell anyway.
         argv.append("--HistoryManager.hist_file=:memory:")
-    IPKernelApp.launch_instance(argv=argv, kernel_class=GpuhubKernel)
+    ReplicaApp.launch_instance(argv=argv, kernel_class=GpuhubKernel)
 
 
 if __name__ == "__main__":

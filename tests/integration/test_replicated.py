@@ -243,6 +243,26 @@ def test_killed_idle_replica_restarts_from_journal_and_peers(cpu_kernel):
         proc.wait(10)
 
 
+def test_a_replicas_iopub_welcomes_a_second_subscription_to_the_same_topic(cpu_kernel):
+    """The router's SUB reconnects after a pause past the ZeroMQ heartbeat timeout (a replica
+    stopped, or starved on a busy server); when the new connection subscribes before the replica
+    has dropped the old one, its subscription is the topic's second. It must be welcomed all the
+    same: the router sends cells only to replicas that welcomed it (before, that replica never got
+    a cell again; CI, 2026-11-29). Here the second subscriber is a client beside the router's."""
+    ok(cpu_kernel, "x = 1")  # the router's subscription to every replica is welcomed
+    kc = cpu_kernel.direct_client(0)  # subscribes to every topic, as the router's SUB does
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, "no iopub_welcome for the second subscription"
+            with contextlib.suppress(Empty):
+                if kc.get_iopub_msg(timeout=left)["msg_type"] == "iopub_welcome":
+                    break
+    finally:
+        kc.stop_channels()
+
+
 def test_killed_executor_mid_cell_gives_an_error_and_keeps_state(cpu_kernel):
     ok(cpu_kernel, "x = 1")
     executor = executor_id(cpu_kernel)
