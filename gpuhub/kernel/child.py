@@ -32,7 +32,7 @@ from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import StdinNotImplementedError
 
-from gpuhub.kernel import devices, dirty
+from gpuhub.kernel import devices, dirty, shell_settings
 from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.warm_imports import imported_since
@@ -236,6 +236,7 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
     """Once per process, before its first cell: its GPUs, its output and input through the pipes,
     the namespace's tensors back on their GPUs."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+    shell_settings.apply_deferred()  # extensions the replica must not load: they may start CUDA
     streams = {id(sys.stdout): PipeStream("stdout", chan, sys.stdout),
                id(sys.stderr): PipeStream("stderr", chan, sys.stderr)}
     sys.stdout, sys.stderr = streams[id(sys.stdout)], streams[id(sys.stderr)]

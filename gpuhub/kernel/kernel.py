@@ -167,6 +167,7 @@ class GpuhubKernel(IPythonKernel):
         if self.replica is not None:
             process_state.take_baseline()  # before any cell: what cells change is carried in each image
             shell_settings.take_baseline()
+            shell_settings.defer_code(self.gpus > 0)  # a GPU kernel's replica must never initialise CUDA
             random_state.take_baseline()
             # ipykernel sleeps 0.5 ms between flushing a cell's output and sending its reply (a
             # mitigation, its comment says), which every cell of three replicas paid on its path.
@@ -208,6 +209,7 @@ class GpuhubKernel(IPythonKernel):
         if not self._joined.is_set():
             await asyncio.to_thread(self._joined.wait)
         if not self._unhidden:
+            shell_settings.reapply()  # taken on by the joining thread: NumPy's lived in its context
             # IPython hides what is in the namespace at start-up from %who (hide_initial_ns); the
             # names this replica caught up with must stay visible, and in the namespace image.
             for name in self._joined_names:

@@ -14,6 +14,7 @@ import os
 import pickle
 import select
 import struct
+import threading
 
 HEADER = struct.Struct("!QQ")  # pickle length, number of out-of-band buffers
 SIZE = struct.Struct("!Q")
@@ -35,14 +36,17 @@ def widen(fd: int) -> None:
 class FrameWriter:
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        # a cell's threads send too (output, widget messages): one frame's writes at a time
+        self._lock = threading.Lock()
 
     def send(self, *msg) -> None:
         raws: list[memoryview] = []
         data = pickle.dumps(msg, protocol=5, buffer_callback=lambda b: raws.append(b.raw()))
-        self._write(memoryview(HEADER.pack(len(data), len(raws)) + b"".join(SIZE.pack(r.nbytes) for r in raws)
-                               + data))
-        for raw in raws:
-            self._write(raw)
+        head = memoryview(HEADER.pack(len(data), len(raws)) + b"".join(SIZE.pack(r.nbytes) for r in raws) + data)
+        with self._lock:
+            self._write(head)
+            for raw in raws:
+                self._write(raw)
 
     def _write(self, view: memoryview) -> None:
         while view:

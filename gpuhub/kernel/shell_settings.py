@@ -17,7 +17,13 @@ Everything travels as plain data (strings, numbers, lists), never as the objects
 the image always pickles and loads, and a setting one replica cannot take (a warning category or an
 extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
 function, rcParams whose values are objects other than a color cycle, logging handlers other than
-the root logger's to sys.stdout/sys.stderr, other loggers' levels.
+the root logger's to sys.stdout/sys.stderr (or with a formatter of another class), other
+loggers' levels.
+
+A GPU kernel's replica never runs a cell and must never initialise CUDA (every process forked
+from it would lose it; gpuhub/kernel/warm_imports.py): it runs no code a setting names. An
+extension is loaded, and a warning category's module imported, in each cell's process as it starts
+(:func:`apply_deferred`, once its GPUs are set), not in the replica (:func:`defer_code`).
 """
 
 from __future__ import annotations
@@ -37,15 +43,41 @@ _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
 _baseline_path: list[str] | None = None
 _refused: set[str] = set()  # settings already logged as not taken here
+_defer_code = False  # a GPU kernel's replica: see defer_code()
+_deferred: dict = {}  # what this process left to the next cell's process
+_last: dict | None = None  # the state last taken on (apply), for reapply()
 
 
 def take_baseline() -> None:
-    """The warnings filters the cells start from (the kernel calls it as it is built): an image
-    carries the list only once a cell changed it, so an unchanged namespace gives an unchanged image."""
+    """The warnings filters, the root logger and the module search path the cells start from (the
+    kernel calls it as it is built): an image carries each only once a cell changed it, so an
+    unchanged namespace gives an unchanged image."""
     global _baseline_filters, _baseline_logging, _baseline_path
     _baseline_filters = _filters()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
+
+
+def defer_code(on: bool = True) -> None:
+    """This process (a GPU kernel's replica) runs no code a setting names: extensions not yet
+    loaded here, and warning categories of modules not yet imported, are left to each cell's
+    process (:func:`apply_deferred`)."""
+    global _defer_code
+    _defer_code = on
+
+
+def apply_deferred() -> None:
+    """In a cell's process, forked from a replica that deferred code: take on what it left (the
+    last state's extensions, autoreload mode and warnings filters). Never raises."""
+    global _defer_code
+    _defer_code = False
+    wanted = dict(_deferred)
+    _deferred.clear()
+    if "warnings" in wanted:
+        _step("warnings", _apply_filters, wanted["warnings"])
+    if "ipython" in wanted:
+        with silenced():
+            _step("IPython", _apply_ipython, wanted["ipython"])
 
 
 def _plain(value):
@@ -99,12 +131,15 @@ def _apply_ipython(state: dict) -> None:
     shell = _shell()
     if shell is None:
         return
-    for name in state.get("extensions") or ():
-        if name not in shell.extension_manager.loaded:
-            try:
-                shell.extension_manager.load_extension(name)
-            except Exception as exc:  # not installed on this server, or it fails here
-                _refuse(f"%load_ext {name}", exc)
+    missing = [n for n in state.get("extensions") or () if n not in shell.extension_manager.loaded
+               and f"%load_ext {n}" not in _refused]
+    if missing and _defer_code:
+        _deferred["ipython"] = state  # autoreload's mode too: it needs the extension
+    for name in () if _defer_code else missing:
+        try:
+            shell.extension_manager.load_extension(name)
+        except (Exception, SystemExit) as exc:  # not installed on this server, or it fails here
+            _refuse(f"%load_ext {name}", exc)
     plain = shell.display_formatter.formatters["text/plain"]
     if isinstance(state.get("precision"), str) and plain.float_precision != state["precision"]:
         plain.float_precision = state["precision"]
@@ -124,17 +159,39 @@ def _apply_ipython(state: dict) -> None:
 def _path_change(base: list[str], path: list[str]) -> list:
     """``path`` as [entries before this replica's own, entries after], when a cell only added
     around it (``sys.path.insert(0, ...)``, ``.append(...)``: each replica keeps its own entries,
-    which differ from server to server), else ["whole", path]."""
+    which differ from server to server); else ["marked", len(base), entries], each entry of
+    ``base`` named by its index (``sys.path.insert(1, ...)``, ``sys.path.remove(...)``)."""
     n = len(base)
     for at in range(len(path) - n + 1):
         if path[at:at + n] == base:
             return [path[:at], path[at + n:]]
-    return ["whole", list(path)]
+    unused: dict[str, list[int]] = {}  # each entry's indices in base (an entry may appear twice)
+    for i in reversed(range(n)):
+        unused.setdefault(base[i], []).append(i)
+    return ["marked", n, [unused[e].pop() if unused.get(e) else e for e in path]]
+
+
+def _marked_path(n: int, entries: list) -> list[str]:
+    """A "marked" path on this replica: its own entries where the cell kept the other replica's.
+    Start paths of another length (another install) cannot be matched entry by entry: this
+    replica's own path then stands where the first one was."""
+    own = _baseline_path or []
+    if len(own) == n:
+        return [own[e] if isinstance(e, int) else e for e in entries]
+    out: list[str] = []
+    for e in entries:
+        if not isinstance(e, int):
+            out.append(e)
+        elif not any(isinstance(x, int) for x in entries[:entries.index(e)]):
+            out.extend(own)
+    return out
 
 
 def _apply_path(wanted: list) -> None:
-    if wanted[0] == "whole":
+    if wanted[0] == "whole":  # from a replica before "marked" paths
         path = list(wanted[1])
+    elif wanted[0] == "marked":
+        path = _marked_path(wanted[1], wanted[2])
     else:
         path = [*wanted[0], *(_baseline_path or ()), *wanted[1]]
     if sys.path != path:
@@ -150,12 +207,20 @@ def _category_name(category: type) -> str:
 
 def _category(name: str) -> type:
     module, _, qualname = name.partition(":")
-    obj = importlib.import_module(module)
+    obj = sys.modules.get(module)
+    if obj is None:
+        if _defer_code:
+            raise _Deferred(module)
+        obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Warning)):
         raise TypeError(f"{name} is not a Warning class")
     return obj
+
+
+class _Deferred(Exception):
+    """A setting this process leaves to the next cell's process (defer_code)."""
 
 
 def _filters() -> list:
@@ -173,6 +238,8 @@ def _apply_filters(wanted: list) -> None:
             # as warnings.filterwarnings builds an entry (the message's pattern ignores case)
             rebuilt.append((action, re.compile(message, re.I) if message else None, _category(category),
                             re.compile(module) if module else None, lineno))
+        except _Deferred:
+            _deferred["warnings"] = wanted  # the whole list, in its order, in the cell's process
         except Exception as exc:  # a category of a module this server lacks
             _refuse(f"warnings filter for {category}", exc)
     warnings.filters[:] = rebuilt
@@ -193,6 +260,8 @@ def _describe(handler: logging.Handler) -> list | None:
     if stream is None:
         return None
     f = handler.formatter
+    if f is not None and type(f) is not logging.Formatter:
+        return None  # rebuilt as a plain Formatter, a subclass's fields would be missing
     return [stream, handler.level, f._fmt if f else None, f.datefmt if f else None,
             _STYLE_OF.get(type(f._style), "%") if f else "%"]
 
@@ -377,12 +446,14 @@ def capture() -> dict:
         out.update(_capture_ipython())
     except Exception as exc:  # an IPython whose internals moved: the rest still goes
         _refuse("IPython extensions", exc)
-    filters = _filters()
-    if filters != _baseline_filters:
-        out["warnings"] = filters
-    root = _logging()
-    if root != _baseline_logging:
-        out["logging"] = root
+    for name, take, baseline in (("warnings", _filters, _baseline_filters), ("logging", _logging, _baseline_logging)):
+        try:
+            value = take()
+        except Exception as exc:  # a filter or handler a cell built by hand, not as the library does
+            _refuse(f"{name} settings", exc)
+            continue
+        if value != baseline:
+            out[name] = value
     if _baseline_path is not None and sys.path != _baseline_path:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
     for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib),
@@ -401,8 +472,11 @@ def apply(state: dict) -> None:
     """Take on ``state`` (from :func:`capture`, maybe in another process). Never raises: a setting
     that cannot be taken here is logged once. What taking them prints or warns (an extension
     loading, a library imported for its options) never reaches the notebook."""
+    global _last
     if not isinstance(state, dict):
         return
+    _last = state
+    _deferred.clear()  # what the last state left undone: this one says anew
     # Not in silenced(): its catch_warnings() would put the filters back on the way out, and a
     # handler made there would write to its sink instead of sys.stderr.
     _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))
@@ -414,6 +488,14 @@ def apply(state: dict) -> None:
         _step("pandas", _apply_pandas, state.get("pandas"))
         _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))
         _step("torch", _apply_torch, state.get("torch"))
+
+
+def reapply() -> None:
+    """Take the last state on again, in this thread's context: NumPy's print options live in a
+    context variable, so a state taken on in another thread (a replica catching up as it starts)
+    is not seen by the cells."""
+    if _last is not None:
+        apply(_last)
 
 
 def _step(name: str, step, wanted) -> None:

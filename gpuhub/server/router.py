@@ -524,8 +524,7 @@ class KernelRouter:
                 continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 rep.connected.add(channel)
-                await self._check_open()
-                await self._hand_running(rep)
+                await self._connection_up(rep)
             elif event == zmq.EVENT_DISCONNECTED:
                 rep.connected.discard(channel)
                 rep.breaks[channel] = rep.breaks.get(channel, 0) + 1
@@ -534,6 +533,15 @@ class KernelRouter:
                 running = self._running
                 if channel in ("shell_port", "control_port") and running is not None and rep.id in running.sent_to:
                     rep.lost_running = running.msg_id
+
+    async def _connection_up(self, rep: _Replica) -> None:
+        """One of ``rep``'s connections is up (a handshake, or its iopub's welcome): the kernel may
+        open; once ``rep`` is ready it gets the running cell, or the requests held while no
+        replica was ready."""
+        await self._check_open()
+        await self._hand_running(rep)
+        if rep.ready and self._open and self._running is None and self._held:
+            await self._release()
 
     async def _subscriptions(self) -> None:
         """Welcome each new iopub subscription (JEP 65), as ipykernel 7 does: signed, on its topic."""
@@ -972,10 +980,7 @@ class KernelRouter:
                 # its start-up grace now, or a replica stopped before its first heartbeat echo
                 # would count as live for the whole grace.
                 self._heard_from(rep)
-                await self._check_open()
-                await self._hand_running(rep)
-                if self._open and self._running is None and self._held:
-                    await self._release()  # held while no replica was ready
+                await self._connection_up(rep)
             return
         if mtype == GROUP_CHANGE:  # for the router only (gpuhub/platform/messages.py)
             target = msg.content().get("target")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,3 +92,26 @@ def test_a_writer_that_dies_mid_frame_leaves_it_pending():
         frames += reader.poll(1.0)
     os.close(r)
     assert frames == [] and reader.pending
+
+
+def test_threads_sending_at_once_never_mix_their_frames():
+    """A cell's threads print and update widgets while the cell runs: each frame arrives whole."""
+    r, w = os.pipe()
+    writer = FrameWriter(w)
+    payload = np.ones(1 << 16)  # out of band: several writes per frame
+    threads = [threading.Thread(target=lambda n=n: [writer.send("comm", n, i, pickle.PickleBuffer(payload))
+                                                    for i in range(40)]) for n in range(4)]
+    for t in threads:
+        t.start()
+    reader = FrameReader(r)
+    got: list[tuple] = []
+    deadline = time.monotonic() + 60  # mixed frames would leave the reader waiting for bytes
+    while len(got) < 160 and time.monotonic() < deadline:
+        got += reader.poll(0.5)
+    assert len(got) == 160 and not reader.pending
+    for t in threads:
+        t.join()
+    os.close(w)
+    os.close(r)
+    assert sorted((n, i) for _, n, i, _ in got) == [(n, i) for n in range(4) for i in range(40)]
+    assert all(np.array_equal(np.frombuffer(buf), payload) for *_, buf in got)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
+import threading
 import warnings
 
 import matplotlib as mpl
@@ -146,3 +147,99 @@ def test_paths_a_cell_added_around_the_replicas_own_are_added_around_anothers():
         assert sys.path == ["/this/replicas/own", *base]
     finally:
         sys.path[:] = base
+
+
+def test_a_path_a_cell_edited_inside_keeps_each_replicas_own_entries():
+    base = list(sys.path)
+    try:
+        sys.path.insert(1, "/notebook/src")
+        sys.path.remove(base[-1])
+        state = shell_settings.capture()
+        sys.path[:] = base
+        own = [f"/other/server/{i}" for i in range(len(base))]  # another server's, as long
+        shell_settings._baseline_path = own
+        sys.path[:] = own
+        shell_settings.apply(state)
+        assert sys.path == [own[0], "/notebook/src", *own[1:-1]]  # none of this server's entries
+        shell_settings._baseline_path = ["/short"]  # another install: its own path where it stood
+        shell_settings.apply(state)
+        assert sys.path == ["/short", "/notebook/src"]
+    finally:
+        sys.path[:] = base
+
+
+def test_a_handler_or_filter_a_cell_built_by_hand_never_breaks_the_capture():
+    class Colored(logging.Formatter):
+        def __init__(self):  # as some libraries do: logging.Formatter's fields never set
+            pass
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(Colored())
+    root.addHandler(handler)
+    try:
+        state = shell_settings.capture()
+        assert state.get("logging", {}).get("handlers", []) == []  # not rebuilt elsewhere as another class
+    finally:
+        root.removeHandler(handler)
+    warnings.filters.insert(0, ("ignore", None, object(), None, 0))  # no class: a cell's own hack
+    warnings._filters_mutated()
+    assert "warnings" not in shell_settings.capture()
+
+
+def test_a_gpu_replica_leaves_the_code_a_setting_names_to_the_cells_process():
+    """An extension may start CUDA as it loads (and a warning category's module as it imports):
+    a GPU kernel's replica runs neither, each cell's process does."""
+    state = {"warnings": [["ignore", "", "gh_deferred_category:LateWarning", "", 0],
+                          ["ignore", "kept", "builtins:UserWarning", "", 0]]}
+    module = type(sys)("gh_deferred_category")
+    module.LateWarning = type("LateWarning", (UserWarning,), {"__module__": "gh_deferred_category"})
+    loaded = []
+    sys.meta_path.insert(0, _Finder(module, loaded))
+    try:
+        shell_settings.defer_code()
+        shell_settings.apply(state)
+        assert loaded == [] and "gh_deferred_category" not in sys.modules
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn("kept", stacklevel=1)
+        assert caught == []  # the rest is taken on in the replica
+        shell_settings.apply_deferred()  # in the cell's process
+        assert loaded == ["gh_deferred_category"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn("late", module.LateWarning, stacklevel=1)
+        assert caught == []
+    finally:
+        shell_settings.defer_code(False)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+        sys.modules.pop("gh_deferred_category", None)
+
+
+class _Finder:
+    """Imports one made-up module and notes each import."""
+
+    def __init__(self, module, loaded: list) -> None:
+        self.module, self.loaded = module, loaded
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.module.__name__:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        self.loaded.append(spec.name)
+        return self.module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def test_numpys_print_options_taken_on_in_another_thread_reach_the_cells_thread_again():
+    np.set_printoptions(precision=3)
+    state = shell_settings.capture()
+    _undone()
+    joining = threading.Thread(target=shell_settings.apply, args=(state,))  # a replica catching up
+    joining.start()
+    joining.join()
+    shell_settings.reapply()
+    assert np.get_printoptions()["precision"] == 3
