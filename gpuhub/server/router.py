@@ -192,6 +192,8 @@ class _Replica:
     lost_running: str | None = None
     # How often each channel's connection broke: what the replica sent meanwhile was dropped.
     breaks: dict[str, int] = field(default_factory=dict)
+    unready_since: float | None = None  # live and not ready since (it gets no cells meanwhile)
+    told_unready: bool = False  # that was logged
 
     @property
     def ready(self) -> bool:
@@ -222,6 +224,8 @@ class KernelRouter:
     startup_grace_s: float = 30.0
     # Requests wait until every replica is ready; once a majority is, the others get this long.
     startup_straggler_s: float = 5.0
+    # A live replica unready this long is logged (_watch_unready).
+    unready_warning_s: float = 10.0
     # Bounds on what the router holds (requests waiting for their turn or for the replicas).
     max_held_requests: int = 1000
     max_held_bytes: int = 64 << 20
@@ -1069,6 +1073,7 @@ class KernelRouter:
                 # ipykernel's echoing ROUTER.
                 await self._send(rep.sockets.get("hb_port"), [b"", b"ping"],
                                  f"replica {rep.id} heartbeat")
+                self._watch_unready(rep, now)
             self._sweep(now)
             await self._check_open()
             await self._check_standbys()
@@ -1077,6 +1082,23 @@ class KernelRouter:
             if self._open and self._running is None and self._held:
                 await self._release()  # requests no replica could take (all restarting): try again
             await asyncio.sleep(self.hb_interval_s)
+
+    def _watch_unready(self, rep: _Replica, now: float) -> None:
+        """Log, once, a replica that answers heartbeats but has long been unready: it gets no cells
+        and falls behind its peers (an iopub that never welcomes the router, as a replica of a
+        release before every subscription was welcomed can do after a reconnection)."""
+        if rep.ready or not rep.live or not rep.answered:  # (still starting: its grace covers it)
+            rep.unready_since, rep.told_unready = None, False
+            return
+        if rep.unready_since is None:
+            rep.unready_since = now
+        elif not rep.told_unready and now - rep.unready_since >= self.unready_warning_s:
+            rep.told_unready = True
+            missing = sorted({"shell_port", "control_port", "iopub_port"} - rep.connected)
+            why = f"not connected: {', '.join(missing)}" if missing else "its iopub never welcomed the router"
+            self.log.warning("replica %s (%s) answers heartbeats but has not been ready for %.0f s "
+                             "(%s): it gets no cells meanwhile and falls behind; restarting the kernel "
+                             "brings it back", rep.id, rep.address, now - rep.unready_since, why)
 
     async def _check_running(self, now: float) -> None:
         """The running execute's reply can no longer come when every replica that got it is gone

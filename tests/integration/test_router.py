@@ -530,18 +530,20 @@ async def test_a_replica_restarted_while_a_cell_runs_gets_that_cell_again(routed
     assert reply["content"]["status"] == "ok", reply
 
 
-async def test_a_replica_whose_outputs_cannot_reach_the_router_gets_no_cell(replicas, tmp_path):
+async def test_a_replica_whose_outputs_cannot_reach_the_router_gets_no_cell(replicas, tmp_path, caplog):
     """A replica back from a restart answers heartbeats and takes requests on shell a moment before
     its iopub has welcomed the router's subscription: whatever it prints meanwhile is dropped by its
     PUB. Sent a cell then (and made its executor), it ran the cell and the client got an "ok" reply
     with no output (the cluster test of all replicas killed at once, once in a few runs). Here the
     last replica's outputs never reach the router: it gets no cell, the others run it."""
+    caplog.set_level(logging.WARNING, logger="gpuhub.server.router")
     for rid in range(3):
         replicas.start(rid)
     silent = dict(replicas.infos[2], iopub_port=replicas.ports.take(1)[0])  # nothing listens there
     router = KernelRouter([replicas.infos[0], replicas.infos[1], silent], replicas.key,
                           hb_interval_s=0.2, hb_timeout_s=3.0, name="k-silent-iopub")
     router.startup_straggler_s = 0.5
+    router.unready_warning_s = 1.0
     kc = AsyncKernelClient()
     kc.load_connection_info(await router.start())
     kc.hb_channel.time_to_dead = 3.0
@@ -554,6 +556,11 @@ async def test_a_replica_whose_outputs_cannot_reach_the_router_gets_no_cell(repl
         reply, _ = await _execute(kc, code)
         assert reply["content"]["status"] == "ok", reply
         assert sorted(p.name for p in tmp_path.glob("ran.*")) == ["ran.0", "ran.1"]
+        # the admin hears of it: that replica falls behind
+        told = lambda: [r for r in caplog.records if "replica 2 " in r.getMessage()  # noqa: E731
+                        and "has not been ready" in r.getMessage()]
+        assert await _wait_for(told, 20)
+        assert "not connected: iopub_port" in told()[0].getMessage()
     finally:
         kc.stop_channels()
         await router.stop()
