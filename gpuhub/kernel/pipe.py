@@ -16,6 +16,8 @@ import select
 import struct
 import threading
 
+from gpuhub.replication.blobstore import new_buffer
+
 HEADER = struct.Struct("!QQ")  # pickle length, number of out-of-band buffers
 SIZE = struct.Struct("!Q")
 # Reads of the small parts; out-of-band buffers are read into their own memory.
@@ -59,7 +61,7 @@ class FrameReader:
         self.fd = fd
         self.buf = bytearray()  # bytes read and not yet part of a frame
         self.eof = False
-        self._frame: tuple[bytes, list[bytearray]] | None = None  # a pickle whose buffers are being read
+        self._frame: tuple[bytes, list] | None = None  # a pickle whose buffers are being read
         self._filling = 0  # which of its buffers
         self._filled = 0  # bytes of it read
 
@@ -101,7 +103,7 @@ class FrameReader:
                 sizes = [SIZE.unpack_from(self.buf, HEADER.size + SIZE.size * i)[0] for i in range(count)]
                 data = bytes(self.buf[start:start + size])
                 del self.buf[:start + size]
-                self._frame, self._filling, self._filled = (data, [bytearray(n) for n in sizes]), 0, 0
+                self._frame, self._filling, self._filled = (data, [new_buffer(n) for n in sizes]), 0, 0
             data, buffers = self._frame
             while self._filling < len(buffers):
                 target = buffers[self._filling]

@@ -63,7 +63,7 @@ from gpuhub.kernel import image as images
 from gpuhub.replication import blobclient
 from gpuhub.replication.blobdisk import BlobDisk
 from gpuhub.replication.blobserver import BlobServer
-from gpuhub.replication.blobstore import BlobStore, copy_into
+from gpuhub.replication.blobstore import BlobStore, copy_into, new_buffer, reusable
 from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup, RaftUnavailable
@@ -495,7 +495,7 @@ class Replica:
         :meth:`BlobStore.alloc` is adopted, so once dropped it can take the next copy (already
         mapped memory instead of a fresh gigabyte of page faults)."""
         owner = data.obj if isinstance(data, memoryview) else data
-        if type(owner) is bytearray:
+        if reusable(owner):
             self.store.adopt(d, owner, memoryview(data).nbytes)
         else:
             self.store.put(d, data)
@@ -563,7 +563,7 @@ class Replica:
                 mapped = None
             if mapped is not None:
                 return memoryview(mapped)
-        copy = bytearray(n)
+        copy = new_buffer(n)
         copy_into(memoryview(copy), memoryview(data).cast("B"))
         return memoryview(copy)
 

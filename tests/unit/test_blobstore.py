@@ -3,6 +3,7 @@ file-backed values mapped copy-on-write; the copy that fills its buffers."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import numpy as np
@@ -84,6 +85,30 @@ def test_a_value_mapped_copy_on_write_never_changes_the_stored_blob():
     assert value[0] == 1 and value[-1] == -5
 
 
+def vm_flags(buf) -> list[str]:
+    """The VmFlags of the mapping that holds ``buf`` (/proc/self/smaps)."""
+    addr = ctypes.addressof((ctypes.c_char * 1).from_buffer(buf))
+    mapping = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                mapping = lo <= addr < hi
+            elif mapping and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError("no mapping holds the buffer")
+
+
+def test_new_buffers_ask_for_huge_pages_before_they_are_filled():
+    files, memory = BlobStore(file_backed=True), BlobStore()
+    for store in (files, memory):  # MADV_HUGEPAGE: granted where the transparent_hugepage settings allow
+        assert "hg" in vm_flags(store.alloc(2 * MIB))
+        assert "hg" not in vm_flags(store.alloc(FILE_MIN))  # smaller than one huge page: nothing to ask
+    fresh = blobstore.new_buffer(2 * MIB)
+    assert "hg" in vm_flags(fresh) and bytes(fresh[:4096]) == bytes(4096)
+
+
 def test_map_private_refuses_what_is_not_file_backed():
     store = BlobStore(file_backed=False)
     d = store_bytes(store, b"\1" * MIB)
@@ -104,15 +129,15 @@ def test_file_backed_buffers_are_never_kept_as_spares():
 def test_executor_copies_are_anonymous_and_reused_received_values_get_a_fresh_file():
     store = BlobStore(spare_bytes=64 * MIB, file_backed=True)
     copy = store.alloc(2 * MIB, anonymous=True)  # the executor's own copy of a changed value
-    assert type(copy) is bytearray
+    assert blobstore.reusable(copy) and "hg" in vm_flags(copy)  # anonymous, in 2 MiB pages where granted
     copy[:] = b"\1" * len(copy)
     store.adopt("a" * 64, copy, len(copy))
     del copy
     store.retain(set())  # the value changed again: its old copy becomes a spare
     assert store.spare_nbytes == 2 * MIB
     received = store.alloc(2 * MIB)  # a value from a peer: never into an anonymous spare
-    assert type(received) is not bytearray and store.spare_nbytes == 2 * MIB
-    assert type(store.alloc(2 * MIB, anonymous=True)) is bytearray and store.spare_nbytes == 0
+    assert not blobstore.reusable(received) and store.spare_nbytes == 2 * MIB
+    assert blobstore.reusable(store.alloc(2 * MIB, anonymous=True)) and store.spare_nbytes == 0
 
 
 def test_copy_into_copies_in_steps_and_refuses_another_length(monkeypatch):

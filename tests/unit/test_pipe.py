@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpuhub.kernel.pipe import HEADER, FrameReader, FrameWriter, widen
+from gpuhub.replication.blobstore import reusable
 
 
 def frame(msg: tuple) -> bytes:
@@ -54,7 +55,7 @@ def test_messages_and_out_of_band_buffers_arrive_whole_and_in_order():
     assert got[0] == sent[0] and got[2] == sent[2]
     (d1, n1, mem1), (d2, n2, mem2), third = got[1][1]
     assert (d1, n1, d2, n2, third) == ("d1", big.nbytes, "d2", 0, ("d3", 5, None))
-    assert type(mem1) is bytearray and np.array_equal(np.frombuffer(mem1, dtype=np.float64), big)
+    assert reusable(mem1) and np.array_equal(np.frombuffer(mem1, dtype=np.float64), big)  # adopted by the store
     assert mem2 == bytearray()
     assert reader.poll(0.1) == [] and reader.eof and not reader.pending
     os.close(r)
