@@ -23,12 +23,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuhub.kernel import pipe
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
+from gpuhub.replication.blobstore import new_buffer
 
 if TYPE_CHECKING:
     from gpuhub.kernel.lease_client import Lease
@@ -50,10 +51,12 @@ class CellProcess:
     pipes_closed: bool = False
 
     @classmethod
-    def fork(cls, shell, resident: dict[str, memoryview], state: Hashable) -> CellProcess:
+    def fork(cls, shell, resident: dict[str, memoryview], state: Hashable,
+             alloc: Callable[[int], object] = new_buffer) -> CellProcess:
         """Fork a process that gets ready for a cell of ``shell`` and waits for it. ``resident``:
         the replica's memory holding the last image's large buffers (digest -> memory), which the
-        child's write tracker watches."""
+        child's write tracker watches. ``alloc``: where the values it sends back are read into
+        (:class:`~gpuhub.kernel.pipe.FrameReader`)."""
         from gpuhub.kernel import child  # imported at start by GPU kernels
 
         fds: list[int] = []
@@ -86,7 +89,7 @@ class CellProcess:
                 os._exit(0)
         os.close(out_w)
         os.close(in_r)
-        return cls(pid, FrameReader(out_r), FrameWriter(in_w), state)
+        return cls(pid, FrameReader(out_r, alloc), FrameWriter(in_w), state)
 
     def start(self, cell: dict) -> bool:
         """Hand the process its cell; False (and the process is discarded) when it is gone."""

@@ -12,6 +12,8 @@ import queue
 import sys
 import threading
 
+from gpuhub.replication import blobstore
+
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <sys/mman.h>; MADV_COLLAPSE since Linux 6.1
 HUGE_PAGE = 2 << 20
 HUGE_MIN_BYTES = 32 << 20  # below this, 4 KiB pages cost the fork little
@@ -28,7 +30,7 @@ def _buffer_range(value) -> tuple[int, int] | None:
         return value.ctypes.data, value.nbytes
     if type(value) is bytes:
         return ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value, len(value)
-    if type(value) is bytearray and value:
+    if type(value) in (bytearray, blobstore.AnonBuffer) and len(value):
         c = (ctypes.c_char * 1).from_buffer(value)
         try:
             return ctypes.addressof(c), len(value)

@@ -761,7 +761,7 @@ class GpuhubKernel(IPythonKernel):
                                 "lingering" if warm is not None else "spare",
                                 _describe_status(proc.status) if proc.status is not None else "gone", cell)
                 forking = time.monotonic()
-                proc = CellProcess.fork(shell, rep.resident, None)
+                proc = CellProcess.fork(shell, rep.resident, None, rep.store.alloc)
                 started = proc.start(go)
             handed = proc.started or time.monotonic()
         except OSError as exc:  # no process for the cell (fork: out of memory, process limit)
@@ -945,7 +945,7 @@ class GpuhubKernel(IPythonKernel):
             asyncio.get_running_loop().call_later(0.05, self._keep_spare)
             return
         try:
-            spare = CellProcess.fork(self.shell, rep.resident, state)
+            spare = CellProcess.fork(self.shell, rep.resident, state, rep.store.alloc)
         except OSError as exc:  # e.g. out of memory for the page tables: the cell forks its own
             log.warning("could not fork a spare process for GPU cells: %s", exc)
             return

@@ -15,6 +15,7 @@ import pickle
 import select
 import struct
 import threading
+from collections.abc import Callable
 
 from gpuhub.replication.blobstore import new_buffer
 
@@ -57,8 +58,12 @@ class FrameWriter:
 
 
 class FrameReader:
-    def __init__(self, fd: int) -> None:
+    """``alloc(n)``: a writable buffer of n bytes to read an out-of-band buffer into (the replica
+    passes its blob store's, so that a GPU cell's changed values land where the store keeps them)."""
+
+    def __init__(self, fd: int, alloc: Callable[[int], object] = new_buffer) -> None:
         self.fd = fd
+        self.alloc = alloc
         self.buf = bytearray()  # bytes read and not yet part of a frame
         self.eof = False
         self._frame: tuple[bytes, list] | None = None  # a pickle whose buffers are being read
@@ -103,7 +108,7 @@ class FrameReader:
                 sizes = [SIZE.unpack_from(self.buf, HEADER.size + SIZE.size * i)[0] for i in range(count)]
                 data = bytes(self.buf[start:start + size])
                 del self.buf[:start + size]
-                self._frame, self._filling, self._filled = (data, [new_buffer(n) for n in sizes]), 0, 0
+                self._frame, self._filling, self._filled = (data, [self.alloc(n) for n in sizes]), 0, 0
             data, buffers = self._frame
             while self._filling < len(buffers):
                 target = buffers[self._filling]

@@ -26,7 +26,9 @@ replica because the router forwards one message to all):
 **Large buffers without copies, and who may write them.** An image's large buffers are blobs of
 their own. A CPU executor copies a buffer the store lacks into new memory the store keeps (one
 copy, hashed while it is made). Every replica receives blobs into memfds
-(``BlobStore(file_backed=True)``) and builds loaded values on them: each buffer is mapped
+(``BlobStore(file_backed=True)``), a GPU executor also those its cell's process sends back
+(:class:`~gpuhub.kernel.cell_process.CellProcess` reads them with the store's ``alloc``), and
+builds loaded values on them: each buffer is mapped
 ``MAP_PRIVATE`` from its file (:meth:`Replica._buffer_for`), so a value costs no copy and no
 ``pickle.loads`` of a gigabyte, and the Raft thread keeps getting the GIL. The rule that keeps
 this sound, *the bytes stored under a digest never change while stored*, holds because
@@ -43,11 +45,7 @@ this sound, *the bytes stored under a digest never change while stored*, holds b
   nothing can have written it (it is emptied when a cell starts in this process), and once per
   image, so that two values never share memory they did not share on the executor;
 - where a blob sits in the store without a file (a store entry this process wrote itself),
-  loading copies it rather than aliasing it, except in a GPU kernel's replica for the buffers its
-  cell's process sent (:meth:`Replica.store_image`): that replica never runs cell code, and a
-  cell's process, forked from it, writes copy-on-write pages of its own, so nothing writes the
-  stored buffer and the value is built on it (one copy of a changed GiB less, and 1 GiB less
-  memory held).
+  loading copies it rather than aliasing it.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from gpuhub.kernel import image as images
 from gpuhub.replication import blobclient
 from gpuhub.replication.blobdisk import BlobDisk
 from gpuhub.replication.blobserver import BlobServer
-from gpuhub.replication.blobstore import BlobStore, copy_into, new_buffer, reusable
+from gpuhub.replication.blobstore import BlobStore, adoptable, copy_into, new_buffer
 from gpuhub.replication.digest import digest, fill_and_digest
 from gpuhub.replication.election import FAILED, local_choice
 from gpuhub.replication.log import CellOutcome, ImageEntry, KernelLog, RaftGroup, RaftUnavailable
@@ -428,8 +426,6 @@ class Replica:
                 if not self.store.has(d):
                     self._keep(d, mem)
                     new[d] = mem
-                    if not self.cells_in_process:  # the next load builds the value on it (see above)
-                        self.resident.setdefault(d, memoryview(mem).cast("B"))
             refs.append((d, n))
             if live:
                 resident.setdefault(d, mem)
@@ -497,11 +493,12 @@ class Replica:
         return won
 
     def _keep(self, d: str, data) -> None:
-        """Store a blob this replica produced. A copy made into a buffer from the store's
-        :meth:`BlobStore.alloc` is adopted, so once dropped it can take the next copy (already
-        mapped memory instead of a fresh gigabyte of page faults)."""
+        """Store a blob this replica produced. A buffer from the store's :meth:`BlobStore.alloc`
+        is adopted: an executor's copy, once dropped, can take the next copy (already mapped memory
+        instead of a fresh gigabyte of page faults); a memfd a GPU cell's value was read into loads
+        copy-on-write (:meth:`_buffer_for`), as one received from a peer does."""
         owner = data.obj if isinstance(data, memoryview) else data
-        if reusable(owner):
+        if adoptable(owner):
             self.store.adopt(d, owner, memoryview(data).nbytes)
         else:
             self.store.put(d, data)

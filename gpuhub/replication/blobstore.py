@@ -48,7 +48,7 @@ import sys
 import threading
 import weakref
 
-__all__ = ["FILE_MIN", "BlobStore", "copy_into", "new_buffer"]
+__all__ = ["FILE_MIN", "BlobStore", "adoptable", "copy_into", "new_buffer", "reusable"]
 
 FILE_MIN = 1 << 20
 HUGE_PAGE = 2 << 20
@@ -60,7 +60,7 @@ KEEP_FROM_FORKS_MIN = 32 << 20
 log = logging.getLogger("gpuhub.blobstore")
 
 
-def _keep_from_forks(buf: bytearray | _AnonBuffer | _FileBuffer) -> None:
+def _keep_from_forks(buf: bytearray | AnonBuffer | _FileBuffer) -> None:
     """MADV_DONTFORK on the whole pages of a large buffer of the store (see "Forks" above)."""
     if isinstance(buf, mmap.mmap):
         buf.madvise(mmap.MADV_DONTFORK)  # a mapping of its own
@@ -104,25 +104,38 @@ def copy_into(dest: memoryview, src: memoryview) -> None:
         np.copyto(d[i:i + COPY_STEP], s[i:i + COPY_STEP])
 
 
-class _AnonBuffer(mmap.mmap):
+class AnonBuffer(mmap.mmap):
     """Private anonymous memory in a mapping of its own, asking for 2 MiB pages (see "Huge pages")."""
 
     @classmethod
-    def create(cls, n: int) -> _AnonBuffer:
+    def create(cls, n: int) -> AnonBuffer:
         buf = cls(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        buf.madvise(mmap.MADV_HUGEPAGE)
+        _ask_for_huge_pages(buf)
         return buf
 
 
-def new_buffer(n: int) -> bytearray | _AnonBuffer:
+def _ask_for_huge_pages(buf: mmap.mmap) -> None:
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a Linux built without transparent huge pages: 4 KiB pages, slower, not wrong
+        pass
+
+
+def new_buffer(n: int) -> bytearray | AnonBuffer:
     """A new writable buffer of ``n`` zero bytes to fill: one asking for 2 MiB pages from 2 MiB on."""
-    return _AnonBuffer.create(n) if n >= HUGE_PAGE else bytearray(n)
+    return AnonBuffer.create(n) if n >= HUGE_PAGE else bytearray(n)
 
 
 def reusable(buf: object) -> bool:
-    """Whether ``buf`` is a buffer of the kind :meth:`BlobStore.alloc` gives that
-    :meth:`BlobStore.adopt` takes and that may become a spare (not a memfd's, see "Files")."""
-    return type(buf) in (bytearray, _AnonBuffer)
+    """Whether ``buf`` is a buffer :meth:`BlobStore.alloc` gives that may become a spare (not a
+    memfd's, see "Files")."""
+    return type(buf) in (bytearray, AnonBuffer)
+
+
+def adoptable(buf: object) -> bool:
+    """Whether :meth:`BlobStore.adopt` may keep ``buf`` itself: a buffer of a kind
+    :meth:`BlobStore.alloc` gives (a memfd's then loads copy-on-write, :meth:`BlobStore.map_private`)."""
+    return reusable(buf) or type(buf) is _FileBuffer
 
 
 class _FileBuffer(mmap.mmap):
@@ -138,7 +151,7 @@ class _FileBuffer(mmap.mmap):
             os.ftruncate(fd, n)
             buf = cls(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             if n >= HUGE_PAGE:
-                buf.madvise(mmap.MADV_HUGEPAGE)  # see "Huge pages" above
+                _ask_for_huge_pages(buf)
         except BaseException:
             os.close(fd)
             raise
@@ -172,7 +185,7 @@ class BlobStore:
         self.keep_from_forks = keep_from_forks
         self._blobs: dict[str, bytes | bytearray | memoryview] = {}
         self._owned: dict[str, int] = {}  # digest -> length, for buffers from alloc()
-        self._spares: list[bytearray | _AnonBuffer] = []
+        self._spares: list[bytearray | AnonBuffer] = []
         self._nbytes = 0
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -187,7 +200,7 @@ class BlobStore:
                 self._blobs[d] = data
                 self._nbytes += size
 
-    def alloc(self, n: int, *, anonymous: bool = False) -> bytearray | _AnonBuffer | _FileBuffer:
+    def alloc(self, n: int, *, anonymous: bool = False) -> bytearray | AnonBuffer | _FileBuffer:
         """A buffer of at least ``n`` bytes to receive a value into, then :meth:`adopt` or
         :meth:`recycle`: a spare when one fits within n + n/4; in a file-backed store, a new memfd
         for a value of :data:`FILE_MIN` or more, unless ``anonymous`` (for a value this process
@@ -200,7 +213,10 @@ class BlobStore:
                     buf = min(fits, key=len)
                     self._spares = [b for b in self._spares if b is not buf]
                     return buf  # marked when it was first allocated
-            buf = new_buffer(n)
+            try:
+                buf = new_buffer(n)
+            except OSError as e:  # mmap: ENOMEM
+                raise MemoryError(f"no memory for {n} bytes: {e}") from None
         else:
             try:
                 buf = _FileBuffer.create(n)
@@ -210,7 +226,7 @@ class BlobStore:
             _keep_from_forks(buf)
         return buf
 
-    def adopt(self, d: str, buf: bytearray | _AnonBuffer | _FileBuffer, n: int) -> None:
+    def adopt(self, d: str, buf: bytearray | AnonBuffer | _FileBuffer, n: int) -> None:
         """Keep the first ``n`` bytes of ``buf`` (from :meth:`alloc`) under ``d``."""
         with self._lock:
             if d not in self._blobs:
@@ -219,12 +235,12 @@ class BlobStore:
                 return
         self.recycle(buf)  # someone stored the same value meanwhile
 
-    def recycle(self, buf: bytearray | _AnonBuffer | _FileBuffer) -> None:
+    def recycle(self, buf: bytearray | AnonBuffer | _FileBuffer) -> None:
         """Give back a buffer from :meth:`alloc` that was not adopted."""
         with self._lock:
             self._spare(buf, 4)  # the caller's variable, ours, _spare's, getrefcount's
 
-    def _spare(self, buf: bytearray | _AnonBuffer | _FileBuffer, refs: int) -> None:
+    def _spare(self, buf: bytearray | AnonBuffer | _FileBuffer, refs: int) -> None:
         # ``refs``: the references the caller's frames hold; more means a view is still alive
         if (reusable(buf) and sys.getrefcount(buf) <= refs
                 and sum(map(len, self._spares)) + len(buf) <= self.spare_bytes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -100,6 +101,8 @@ def vm_flags(buf) -> list[str]:
     raise AssertionError("no mapping holds the buffer")
 
 
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="Linux built without transparent huge pages: nothing to ask for")
 def test_new_buffers_ask_for_huge_pages_before_they_are_filled():
     files, memory = BlobStore(file_backed=True), BlobStore()
     for store in (files, memory):  # MADV_HUGEPAGE: granted where the transparent_hugepage settings allow

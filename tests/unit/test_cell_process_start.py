@@ -39,7 +39,7 @@ def test_a_cell_whose_process_cannot_be_forked_gets_an_error_reply_and_gives_its
     monkeypatch.setattr(kernel_module.CellProcess, "fork", no_fork)
     shell, reaper, grant = Shell(), Reaper(), Lease("l1", "gpu1", ["GPU-0"])
     kernel = types.SimpleNamespace(
-        replica=types.SimpleNamespace(store=types.SimpleNamespace(digests=lambda: []), resident={},
+        replica=types.SimpleNamespace(store=types.SimpleNamespace(digests=lambda: [], alloc=bytearray), resident={},
                                       settings=types.SimpleNamespace(gpu_linger_s=30.0)),
         shell=shell, reaper=reaper, _phases={}, _parent_ident={"shell": [b"client"]}, _warm=None,
         _take_spare=lambda: None, get_parent=lambda channel: {"header": {"msg_id": "m1"}, "buffers": []},

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gpuhub.kernel.pipe import HEADER, FrameReader, FrameWriter, widen
-from gpuhub.replication.blobstore import reusable
+from gpuhub.replication.blobstore import AnonBuffer, BlobStore, adoptable, reusable
 
 
 def frame(msg: tuple) -> bytes:
@@ -55,10 +55,24 @@ def test_messages_and_out_of_band_buffers_arrive_whole_and_in_order():
     assert got[0] == sent[0] and got[2] == sent[2]
     (d1, n1, mem1), (d2, n2, mem2), third = got[1][1]
     assert (d1, n1, d2, n2, third) == ("d1", big.nbytes, "d2", 0, ("d3", 5, None))
-    assert reusable(mem1) and np.array_equal(np.frombuffer(mem1, dtype=np.float64), big)  # adopted by the store
+    assert type(mem1) is AnonBuffer and np.array_equal(np.frombuffer(mem1, dtype=np.float64), big)  # 2 MiB pages asked
     assert mem2 == bytearray()
     assert reader.poll(0.1) == [] and reader.eof and not reader.pending
     os.close(r)
+
+
+def test_buffers_are_read_into_memory_from_the_readers_alloc():
+    """A GPU replica reads its cell's values into its blob store's memfds (gpuhub/kernel/cell_process.py)."""
+    r, w = os.pipe()
+    big = np.arange(1 << 19, dtype=np.float64)  # 4 MiB
+    store = BlobStore(file_backed=True)
+    reader = FrameReader(r, alloc=store.alloc)
+    t = threading.Thread(target=lambda: (FrameWriter(w).send("image", pickle.PickleBuffer(big)), os.close(w)))
+    t.start()
+    (_, mem), = read_all(reader, 1)
+    t.join()
+    os.close(r)
+    assert not reusable(mem) and adoptable(mem) and np.array_equal(np.frombuffer(mem, dtype=np.float64), big)
 
 
 @pytest.mark.parametrize("step", [1, 7, HEADER.size + 3, 4096])

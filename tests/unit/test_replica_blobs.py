@@ -11,7 +11,7 @@ import numpy as np
 
 from gpuhub.kernel import image as images
 from gpuhub.kernel.replica import Replica, Settings
-from gpuhub.replication.blobstore import BlobStore, new_buffer
+from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
 from gpuhub.replication.log import ImageEntry
 from gpuhub.replication.sealing import Sealer
@@ -74,37 +74,58 @@ def a_replica(*, cells_in_process: bool) -> Replica:
     return r
 
 
-def as_a_cells_process_sends_it(ns: dict) -> tuple[bytes, list[str], list]:
-    """A GPU cell's image as its process hands it over: the buffers in memory of their own."""
+def as_a_cells_process_sends_it(r: Replica, ns: dict) -> tuple[bytes, list[str], list]:
+    """A GPU cell's image as the replica gets it from the cell's process: each buffer read into
+    memory from the store's ``alloc`` (gpuhub/kernel/cell_process.py)."""
     cap = images.capture(ns, set())
     handed = []
     for d, n, mv in cap.sized_buffers():
-        buf = new_buffer(n)
-        buf[:] = mv.cast("B")
+        buf = r.store.alloc(n)
+        memoryview(buf)[:n] = mv.cast("B")
         handed.append((d, n, buf))
     return cap.stream, cap.names, handed
 
 
-def test_a_gpu_replica_builds_a_value_on_the_buffer_its_cells_process_sent_without_a_copy():
-    big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: a buffer of its own
-    stream, names, handed = as_a_cells_process_sends_it({"big": big, "twin": big.copy()})
+def mapping_of(value: np.ndarray) -> str:
+    """The /proc/self/maps line of the mapping that holds ``value``."""
+    addr = value.ctypes.data
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            if lo <= addr < hi:
+                return line
+    raise AssertionError("no mapping holds the value")
+
+
+class HalvedOnLoad:
+    """A value whose unpickling writes its array in place (user code that runs in the replica)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.a /= 2
+
+
+def test_a_gpu_cells_value_loads_copy_on_write_from_the_file_it_was_read_into():
     r = a_replica(cells_in_process=False)
+    big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: a buffer of its own
+    stream, names, handed = as_a_cells_process_sends_it(r, {"big": big, "twin": big.copy()})
     entry = r.store_image(stream, names, handed, live=False)
     assert entry.buffers[0][0] == entry.buffers[1][0]  # the same bytes: one blob
-    stored = r.store.get(entry.buffers[0][0])
     loaded = r.load_image(entry)
     value, twin = loaded["big"], loaded["twin"]
-    assert np.array_equal(value, big) and np.shares_memory(value, np.frombuffer(stored, dtype=np.uint8))
-    assert np.array_equal(twin, big) and not np.shares_memory(twin, value)  # once per load, as on the executor
+    assert np.array_equal(value, big) and np.array_equal(twin, big) and not np.shares_memory(twin, value)
+    assert "gpuhub-blob" in mapping_of(value)  # a mapping of the stored memfd: no copy was made
+    value += 1  # what a write in this process does: a private page
+    assert digest(r.store.get(entry.buffers[0][0])) == entry.buffers[0][0]
 
 
-def test_a_value_loaded_where_cells_run_never_shares_the_stored_buffer():
-    big = np.arange(1 << 20, dtype=np.float64)
-    stream, names, handed = as_a_cells_process_sends_it({"big": big})
-    r = a_replica(cells_in_process=True)  # a cell here may write the value in place
+def test_code_that_writes_a_value_while_it_loads_leaves_the_stored_bytes():
+    r = a_replica(cells_in_process=False)
+    a = np.arange(1 << 20, dtype=np.float64)
+    stream, names, handed = as_a_cells_process_sends_it(r, {"h": HalvedOnLoad(a)})
     entry = r.store_image(stream, names, handed, live=False)
-    stored = r.store.get(entry.buffers[0][0])
-    value = r.load_image(entry)["big"]
-    assert np.array_equal(value, big) and not np.shares_memory(value, np.frombuffer(stored, dtype=np.uint8))
-    value += 1
-    assert digest(stored) == entry.buffers[0][0]
+    assert np.array_equal(r.load_image(entry)["h"].a, a / 2)
+    assert digest(r.store.get(entry.buffers[0][0])) == entry.buffers[0][0]  # peers fetching it get a
