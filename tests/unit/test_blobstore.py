@@ -107,7 +107,9 @@ def test_new_buffers_ask_for_huge_pages_before_they_are_filled():
     files, memory = BlobStore(file_backed=True), BlobStore()
     for store in (files, memory):  # MADV_HUGEPAGE: granted where the transparent_hugepage settings allow
         assert "hg" in vm_flags(store.alloc(2 * MIB))
-        assert "hg" not in vm_flags(store.alloc(FILE_MIN))  # smaller than one huge page: nothing to ask
+    # smaller than one huge page: nothing to ask (a small bytearray lives in malloc's memory, which
+    # others in the process may have asked for huge pages: not checked)
+    assert "hg" not in vm_flags(files.alloc(FILE_MIN))
     fresh = blobstore.new_buffer(2 * MIB)
     assert "hg" in vm_flags(fresh) and bytes(fresh[:4096]) == bytes(4096)
 
