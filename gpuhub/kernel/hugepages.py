@@ -15,7 +15,7 @@ import threading
 from gpuhub.replication import blobstore
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <sys/mman.h>; MADV_COLLAPSE since Linux 6.1
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = blobstore.HUGE_PAGE
 HUGE_MIN_BYTES = 32 << 20  # below this, 4 KiB pages cost the fork little
 
 

@@ -51,8 +51,9 @@ import weakref
 __all__ = ["FILE_MIN", "BlobStore", "adoptable", "copy_into", "new_buffer", "reusable"]
 
 FILE_MIN = 1 << 20
-HUGE_PAGE = 2 << 20
 """``BlobStore(file_backed=True)`` receives values of at least this size into a memfd."""
+HUGE_PAGE = 2 << 20
+"""A new buffer of at least this size asks for 2 MiB pages (see "Huge pages")."""
 COPY_STEP = 64 << 20  # copy_into copies in steps, so another thread may take the GIL between them
 KEEP_FROM_FORKS_MIN = 32 << 20
 # glibc's malloc gives an allocation this large a mapping of its own, unmapped when it is freed
