@@ -31,8 +31,10 @@ from tests import zmq_peers
 # An ipykernel that marks its execute_reply the way gpuhub replicas do (a follower names the
 # executor GPUHUB_TEST_EXECUTOR, if set), and (as the executor) answers late, so a router that took
 # the first reply would pick a follower's (complete_request's too); with GPUHUB_TEST_EXIT_AT_REPLY,
-# the executor's process exits instead of replying (after its cell, as one killed then would). It
-# notes every request it aborts itself in the file GPUHUB_TEST_ABORTS names.
+# the executor's process exits instead of replying (after its cell, as one killed then would); with
+# GPUHUB_TEST_HOLD_COMPLETE, the executor answers a completion only once that file exists (and then
+# creates it + ".answered"). It notes every request it aborts itself in the file GPUHUB_TEST_ABORTS
+# names.
 MARKED_KERNEL = """
 import os, time
 from ipykernel.ipkernel import IPythonKernel
@@ -51,7 +53,13 @@ class Marked(IPythonKernel):
             time.sleep(0.3)
         return md
     def do_complete(self, code, cursor_pos):
-        if ROLE == "executor":
+        hold = os.environ.get("GPUHUB_TEST_HOLD_COMPLETE")
+        if ROLE == "executor" and hold:  # answers only once the test has its reply
+            deadline = time.monotonic() + 30
+            while not os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            open(hold + ".answered", "w").close()
+        elif ROLE == "executor":
             time.sleep(0.3)  # answers last here too
         return super().do_complete(code, cursor_pos)
     def _send_abort_reply(self, stream, msg, idents):
@@ -349,14 +357,19 @@ async def test_other_requests_are_answered_by_the_replica_that_ran_the_last_cell
         assert reply["content"]["matches"] == ["only_follower"]
 
 
-async def test_a_last_executor_slower_than_prefer_executor_s_is_not_waited_for(replicas):
+async def test_a_last_executor_slower_than_prefer_executor_s_is_not_waited_for(replicas, tmp_path):
+    # The executor's completion is held until the client has its reply (a fixed delay lost to a
+    # busy machine's slow followers in CI).
+    hold = tmp_path / "release-executor"
     for i, role in enumerate(("follower", "follower", "executor")):
-        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2")
+        replicas.start(i, role, GPUHUB_TEST_EXECUTOR="2", GPUHUB_TEST_HOLD_COMPLETE=str(hold))
     async with _routed(replicas, prefer_executor_s=0.0) as (_, _, kc):
         await _execute(kc, "import os\nexec(f\"only_{os.environ['GPUHUB_TEST_ROLE']} = 1\")")
-        reply = await kc.complete("only_", reply=True, timeout=15)  # the executor answers 0.3 s late
+        reply = await kc.complete("only_", reply=True, timeout=15)
         assert reply["content"]["matches"] == ["only_follower"]
-        assert await _no_more_shell(kc)
+        hold.touch()
+        assert await _wait_for((tmp_path / "release-executor.answered").exists, timeout_s=30)
+        assert await _no_more_shell(kc)  # the executor's late reply is dropped
 
 
 async def test_input_round_trip(shared_routed, shared_replicas):
