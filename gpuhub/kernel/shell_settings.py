@@ -1,8 +1,9 @@
 """Settings cells make in IPython and in common libraries, which live in the process, not in any
-variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``), ``%precision``
-and ``%xmode``, the module search path (``sys.path.insert(0, "../src")``), warnings
-filters (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the
-notebook (``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
+variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``),
+``%precision``, ``%xmode`` and ``%config`` (``%config InlineBackend.figure_format = "retina"``),
+the module search path (``sys.path.insert(0, "../src")``), warnings filters
+(``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
+(``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
 (``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
 global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags).
 
@@ -16,7 +17,8 @@ process starts with them.
 Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so
 the image always pickles and loads, and a setting one replica cannot take (a warning category or an
 extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
-function, rcParams whose values are objects other than a color cycle, logging handlers other than
+function, rcParams whose values are objects other than a color cycle, ``%config`` values other than
+plain data (or the kernel application's own), logging handlers other than
 the root logger's to sys.stdout/sys.stderr (or with a formatter of another class), other
 loggers' levels.
 
@@ -42,6 +44,8 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
 _baseline_path: list[str] | None = None
+_baseline_config: dict | None = None
+_config_taken: dict = {}  # what apply() last set through %config's path: {section: {name: value}}
 _refused: set[str] = set()  # settings already logged as not taken here
 _defer_code = False  # a GPU kernel's replica: see defer_code()
 _deferred: dict = {}  # what this process left to the next cell's process
@@ -52,10 +56,12 @@ def take_baseline() -> None:
     """The warnings filters, the root logger and the module search path the cells start from (the
     kernel calls it as it is built): an image carries each only once a cell changed it, so an
     unchanged namespace gives an unchanged image."""
-    global _baseline_filters, _baseline_logging, _baseline_path
+    global _baseline_filters, _baseline_logging, _baseline_path, _baseline_config
     _baseline_filters = _filters()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
+    _baseline_config = _config()
+    _config_taken.clear()
 
 
 def defer_code(on: bool = True) -> None:
@@ -152,6 +158,90 @@ def _apply_ipython(state: dict) -> None:
             setattr(reloader, k, bool(wanted.get(k)))
         reloader.modules = dict.fromkeys(wanted.get("modules") or (), True)
         reloader.skip_modules = dict.fromkeys(wanted.get("skip") or (), True)
+
+
+# ------------------------------------------------------------------ %config
+
+# The application's own section names this process's connection file: never another replica's.
+_OWN_SECTIONS = frozenset({"IPKernelApp"})
+_MISSING = object()
+
+
+def _config_value(value):
+    """A %config value as plain data (dicts with string keys too), or raise ValueError."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError("dict with non-string keys")
+        return {k: _config_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_config_value(v) for v in value]
+    return _plain(value)
+
+
+def _config() -> dict | None:
+    """The shell's configuration (what the kernel started with plus every ``%config``), as
+    {section: {name: value}}; values that are not plain data are left out."""
+    shell = _shell()
+    if shell is None:
+        return None
+    out: dict = {}
+    for section, entries in shell.config.items():
+        if not (section[:1].isupper() and isinstance(entries, dict)) or section in _OWN_SECTIONS:
+            continue
+        for name, value in entries.items():
+            try:
+                out.setdefault(section, {})[name] = _config_value(value)
+            except ValueError as exc:  # a lazy value (``.append(...)``) or an object
+                _refuse(f"%config {section}.{name}", exc)
+    return out
+
+
+def _capture_config() -> dict | None:
+    """What cells set with ``%config`` (the entries that differ from the kernel's start)."""
+    now, base = _config(), _baseline_config or {}
+    if not now:
+        return None
+    changed = {section: {name: value for name, value in entries.items()
+                         if base.get(section, {}).get(name, _MISSING) != value}
+               for section, entries in now.items()}
+    return {section: entries for section, entries in sorted(changed.items()) if entries} or None
+
+
+def _apply_config(wanted: dict) -> None:
+    """Set what ``wanted`` says as ``%config`` does (every configurable of the shell takes the
+    entries meant for its class), and put back the kernel's start for entries an earlier state set
+    that this one no longer holds."""
+    from traitlets.config import Config
+
+    shell = _shell()
+    if shell is None:
+        return
+    base = _baseline_config or {}
+    target: dict = {}
+    for section, entries in _config_taken.items():
+        for name in entries:
+            if name not in (wanted.get(section) or {}) and name in base.get(section, {}):
+                target.setdefault(section, {})[name] = base[section][name]
+    for section, entries in wanted.items():
+        if isinstance(entries, dict) and section not in _OWN_SECTIONS:
+            target.setdefault(section, {}).update(entries)
+    now = _config() or {}
+    cfg = Config({section: {name: value for name, value in entries.items()
+                            if now.get(section, {}).get(name, _MISSING) != value}
+                  for section, entries in target.items()})
+    _config_taken.clear()
+    _config_taken.update({section: dict(entries) for section, entries in wanted.items() if isinstance(entries, dict)})
+    if not any(cfg.values()):
+        return
+    # as IPython's %config magic: the configurables with configurable traits, each given the whole
+    # Config (traitlets picks the sections of its class and its bases)
+    for configurable in shell.configurables:
+        if configurable.__class__.class_traits(config=True):
+            try:
+                configurable.update_config(cfg)
+            except Exception as exc:  # a value this IPython's trait refuses
+                _refuse(f"%config for {type(configurable).__name__}", exc)
+    shell.config.merge(cfg)  # what configurables made later (InlineBackend) read
 
 
 # ------------------------------------------------------------------ the module search path
@@ -456,6 +546,13 @@ def capture() -> dict:
             out[name] = value
     if _baseline_path is not None and sys.path != _baseline_path:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
+    try:
+        config = _capture_config()
+    except Exception as exc:  # a shell whose config is not a traitlets Config
+        _refuse("%config settings", exc)
+    else:
+        if config is not None:
+            out["config"] = config
     for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib),
                        ("torch", _capture_torch)):
         try:
@@ -484,6 +581,7 @@ def apply(state: dict) -> None:
     _step("path", _apply_path, state.get("path", [[], []] if _baseline_path is not None else None))
     with silenced():
         _step("IPython", _apply_ipython, state)
+        _step("%config", _apply_config, state.get("config", {}))
         _step("numpy", _apply_numpy, state.get("numpy"))
         _step("pandas", _apply_pandas, state.get("pandas"))
         _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))

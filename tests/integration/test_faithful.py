@@ -188,6 +188,7 @@ SETTINGS = [
     "mpl.rcParams['figure.figsize'] = (3.0, 2.0)\n"
     "mpl.rcParams['axes.prop_cycle'] = mpl.cycler(color=['red', 'blue'])",
     "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')",
+    "%config InteractiveShell.ast_node_interactivity = 'all'\n%config Completer.use_jedi = False",
 ]
 SETTINGS_SHOWN = (
     "import warnings, numpy as np, pandas as pd, matplotlib as mpl\n"
@@ -196,15 +197,16 @@ SETTINGS_SHOWN = (
     "reloader = get_ipython().magics_manager.registry['AutoreloadMagics']._reloader\n"
     "print([str(w.message) for w in caught], np.array([1 / 3]), pd.get_option('display.max_rows'),\n"
     "      mpl.rcParams['figure.figsize'], mpl.rcParams['axes.prop_cycle'].by_key()['color'],\n"
-    "      'autoreload' in get_ipython().extension_manager.loaded, reloader.enabled, reloader.check_all)\n"
+    "      'autoreload' in get_ipython().extension_manager.loaded, reloader.enabled, reloader.check_all,\n"
+    "      get_ipython().ast_node_interactivity, get_ipython().Completer.use_jedi)\n"
     "del reloader\n"
     "logging.getLogger('notebook').info('shown as on a plain kernel')")
 
 
 def test_settings_made_in_cells_follow_them_to_another_replica(kernel):
     """Found side by side: ``%autoreload 2``, a warnings filter, ``logging.basicConfig``, NumPy's and
-    pandas' options and rcParams live in the process, not in a variable, and were gone once the next cell ran in
-    another process (a GPU cell's, after its linger) or on another replica (here: a failover).
+    pandas' options, rcParams and ``%config`` live in the process, not in a variable, and were gone
+    once the next cell ran in another process (a GPU cell's, after its linger) or on another replica (here: a failover).
     gpuhub/kernel/shell_settings.py carries them with each image."""
     want = plain_streams([*SETTINGS, SETTINGS_SHOWN])[-1]
     for code in SETTINGS:
