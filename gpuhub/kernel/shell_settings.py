@@ -1,6 +1,7 @@
 """Settings cells make in IPython and in common libraries, which live in the process, not in any
 variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``),
-``%precision``, ``%xmode`` and ``%config`` (``%config InlineBackend.figure_format = "retina"``),
+``%precision``, ``%xmode``, ``%config`` (``%config InlineBackend.figure_format = "retina"``) and
+the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity = "all"``),
 the module search path (``sys.path.insert(0, "../src")``), warnings filters
 (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
 (``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
@@ -17,8 +18,8 @@ process starts with them.
 Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so
 the image always pickles and loads, and a setting one replica cannot take (a warning category or an
 extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
-function, rcParams whose values are objects other than a color cycle, ``%config`` values other than
-plain data (or the kernel application's own), logging handlers other than
+function, rcParams whose values are objects other than a color cycle, ``%config`` values and options other
+than plain data (and the kernel application's and the history's own), logging handlers other than
 the root logger's to sys.stdout/sys.stderr (or with a formatter of another class), other
 loggers' levels.
 
@@ -45,7 +46,9 @@ _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
 _baseline_path: list[str] | None = None
 _baseline_config: dict | None = None
-_config_taken: dict = {}  # what apply() last set through %config's path: {section: {name: value}}
+_baseline_options: dict | None = None
+_config_taken: dict = {}  # what apply() last set as %config does: {section: {name: value}}
+_options_taken: dict = {}  # what apply() last set on the shell's objects: {class: {name: value}}
 _refused: set[str] = set()  # settings already logged as not taken here
 _defer_code = False  # a GPU kernel's replica: see defer_code()
 _deferred: dict = {}  # what this process left to the next cell's process
@@ -56,12 +59,15 @@ def take_baseline() -> None:
     """The warnings filters, the root logger and the module search path the cells start from (the
     kernel calls it as it is built): an image carries each only once a cell changed it, so an
     unchanged namespace gives an unchanged image."""
-    global _baseline_filters, _baseline_logging, _baseline_path, _baseline_config
+    global _baseline_filters, _baseline_logging, _baseline_path, _baseline_config, _baseline_options
     _baseline_filters = _filters()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
     _baseline_config = _config()
+    _trait_names.clear()
+    _baseline_options = _options()
     _config_taken.clear()
+    _options_taken.clear()
 
 
 def defer_code(on: bool = True) -> None:
@@ -160,11 +166,13 @@ def _apply_ipython(state: dict) -> None:
         reloader.skip_modules = dict.fromkeys(wanted.get("skip") or (), True)
 
 
-# ------------------------------------------------------------------ %config
+# ------------------------------------------------------------------ %config and the shell's options
 
-# The application's own section names this process's connection file: never another replica's.
-_OWN_SECTIONS = frozenset({"IPKernelApp"})
+# Never carried: the application's section names this process's connection file and ports, and the
+# history is each replica's own to write (a GPU cell's process keeps its records in memory).
+_OWN_SECTIONS = frozenset({"IPKernelApp", "HistoryManager"})
 _MISSING = object()
+_trait_names: dict[str, tuple[str, ...]] = {}  # class -> its options' names at the kernel's start (_options)
 
 
 def _config_value(value):
@@ -196,52 +204,129 @@ def _config() -> dict | None:
     return out
 
 
-def _capture_config() -> dict | None:
-    """What cells set with ``%config`` (the entries that differ from the kernel's start)."""
-    now, base = _config(), _baseline_config or {}
-    if not now:
-        return None
-    changed = {section: {name: value for name, value in entries.items()
-                         if base.get(section, {}).get(name, _MISSING) != value}
-               for section, entries in now.items()}
-    return {section: entries for section, entries in sorted(changed.items()) if entries} or None
+def _configurables(shell, first: bool = False):
+    """(object, its class's name, its options' names) for the shell's objects whose options are
+    carried: those the shell had at the kernel's start (``first``: the baseline being taken). One
+    made later (Matplotlib's InlineBackend) has no start to differ from; %config's own path carries
+    what cells set on it. The names are those the class had at the start: the class attribute
+    ``InteractiveShell.ast_node_interactivity = "all"`` that many notebooks set hides the trait."""
+    from traitlets.config import Application
+
+    for obj in shell.configurables:
+        cls = type(obj).__name__
+        if cls in _OWN_SECTIONS or isinstance(obj, Application):
+            continue
+        names = _trait_names.get(cls)
+        if names is None:
+            if not first:
+                continue
+            names = _trait_names[cls] = tuple(sorted(type(obj).class_trait_names(config=True)))
+        yield obj, cls, names
 
 
-def _apply_config(wanted: dict) -> None:
-    """Set what ``wanted`` says as ``%config`` does (every configurable of the shell takes the
-    entries meant for its class), and put back the kernel's start for entries an earlier state set
-    that this one no longer holds."""
-    from traitlets.config import Config
-
+def _options() -> dict | None:
+    """The options of the shell's objects at the kernel's start, {class: {name: value}}, plain
+    values only (the baseline of :func:`_option_changes`)."""
     shell = _shell()
     if shell is None:
-        return
-    base = _baseline_config or {}
+        return None
+    out: dict = {}
+    for obj, cls, names in _configurables(shell, first=True):
+        entries = out.setdefault(cls, {})
+        for name in names:
+            try:
+                entries[name] = _config_value(getattr(obj, name))
+            except Exception:  # an object (a class, a callable): the process's own
+                continue
+    return out
+
+
+def _option_changes() -> dict | None:
+    """The options of the shell's objects that differ from the kernel's start: what ``%config`` set
+    on them, and what a cell set directly (``get_ipython().ast_node_interactivity = "all"``)."""
+    shell = _shell()
+    if shell is None or _baseline_options is None:
+        return None
+    out: dict = {}
+    for obj, cls, names in _configurables(shell):
+        base = _baseline_options.get(cls, {})
+        for name in names:
+            try:
+                value = getattr(obj, name)
+                if value == base.get(name, _MISSING):  # most: compared as they are, not converted
+                    continue
+                value = _config_value(value)
+            except Exception:  # an object: the process's own
+                continue
+            if value != base.get(name, _MISSING):
+                out.setdefault(cls, {})[name] = value
+    return out or None
+
+
+def _changes(now: dict | None, base: dict | None) -> dict | None:
+    """The entries of ``now`` ({section: {name: value}}) that differ from ``base``."""
+    base = base or {}
+    changed = {section: {name: value for name, value in entries.items()
+                         if base.get(section, {}).get(name, _MISSING) != value}
+               for section, entries in sorted((now or {}).items())}
+    return {section: entries for section, entries in changed.items() if entries} or None
+
+
+def _targets(wanted: dict, taken: dict, base: dict | None) -> dict:
+    """What to set for ``wanted``: its entries, and the kernel's start (``base``) for the entries an
+    earlier state set (``taken``) that this one no longer holds. ``taken`` becomes ``wanted``."""
+    base = base or {}
     target: dict = {}
-    for section, entries in _config_taken.items():
+    for section, entries in taken.items():
         for name in entries:
             if name not in (wanted.get(section) or {}) and name in base.get(section, {}):
                 target.setdefault(section, {})[name] = base[section][name]
     for section, entries in wanted.items():
         if isinstance(entries, dict) and section not in _OWN_SECTIONS:
             target.setdefault(section, {}).update(entries)
+    taken.clear()
+    taken.update({section: dict(entries) for section, entries in wanted.items() if isinstance(entries, dict)})
+    return target
+
+
+def _apply_config(wanted: dict) -> None:
+    """Set what ``wanted`` says as ``%config`` does: every configurable of the shell takes the
+    entries meant for its class, and the shell's config keeps them for those made later
+    (Matplotlib's InlineBackend)."""
+    from traitlets.config import Config
+
+    shell = _shell()
+    if shell is None:
+        return
     now = _config() or {}
+    target = _targets(wanted, _config_taken, _baseline_config)
     cfg = Config({section: {name: value for name, value in entries.items()
                             if now.get(section, {}).get(name, _MISSING) != value}
                   for section, entries in target.items()})
-    _config_taken.clear()
-    _config_taken.update({section: dict(entries) for section, entries in wanted.items() if isinstance(entries, dict)})
     if not any(cfg.values()):
         return
-    # as IPython's %config magic: the configurables with configurable traits, each given the whole
-    # Config (traitlets picks the sections of its class and its bases)
-    for configurable in shell.configurables:
+    for configurable in shell.configurables:  # as IPython's %config magic
         if configurable.__class__.class_traits(config=True):
             try:
                 configurable.update_config(cfg)
             except Exception as exc:  # a value this IPython's trait refuses
                 _refuse(f"%config for {type(configurable).__name__}", exc)
-    shell.config.merge(cfg)  # what configurables made later (InlineBackend) read
+    shell.config.merge(cfg)
+
+
+def _apply_options(wanted: dict) -> None:
+    """Set the options ``wanted`` names on the shell's objects of those classes."""
+    shell = _shell()
+    if shell is None:
+        return
+    target = _targets(wanted, _options_taken, _baseline_options)
+    for obj in shell.configurables if target else ():
+        for name, value in target.get(type(obj).__name__, {}).items():
+            try:
+                if _config_value(getattr(obj, name, _MISSING)) != value:
+                    setattr(obj, name, value)
+            except Exception as exc:  # an option this IPython lacks or validates otherwise
+                _refuse(f"{type(obj).__name__}.{name}", exc)
 
 
 # ------------------------------------------------------------------ the module search path
@@ -546,13 +631,14 @@ def capture() -> dict:
             out[name] = value
     if _baseline_path is not None and sys.path != _baseline_path:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
-    try:
-        config = _capture_config()
-    except Exception as exc:  # a shell whose config is not a traitlets Config
-        _refuse("%config settings", exc)
-    else:
-        if config is not None:
-            out["config"] = config
+    for name, changes in (("config", lambda: _changes(_config(), _baseline_config)), ("options", _option_changes)):
+        try:
+            value = changes()
+        except Exception as exc:  # a shell whose config is not a traitlets Config
+            _refuse(f"IPython {name}", exc)
+            continue
+        if value is not None:
+            out[name] = value
     for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib),
                        ("torch", _capture_torch)):
         try:
@@ -582,6 +668,7 @@ def apply(state: dict) -> None:
     with silenced():
         _step("IPython", _apply_ipython, state)
         _step("%config", _apply_config, state.get("config", {}))
+        _step("IPython options", _apply_options, state.get("options", {}))
         _step("numpy", _apply_numpy, state.get("numpy"))
         _step("pandas", _apply_pandas, state.get("pandas"))
         _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))

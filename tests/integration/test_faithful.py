@@ -188,7 +188,9 @@ SETTINGS = [
     "mpl.rcParams['figure.figsize'] = (3.0, 2.0)\n"
     "mpl.rcParams['axes.prop_cycle'] = mpl.cycler(color=['red', 'blue'])",
     "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')",
-    "%config InteractiveShell.ast_node_interactivity = 'all'\n%config Completer.use_jedi = False",
+    # %config, and the class attribute many notebooks set
+    "%config Completer.use_jedi = False\nfrom IPython.core.interactiveshell import InteractiveShell\n"
+    "InteractiveShell.ast_node_interactivity = 'all'",
 ]
 SETTINGS_SHOWN = (
     "import warnings, numpy as np, pandas as pd, matplotlib as mpl\n"

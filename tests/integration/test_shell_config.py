@@ -1,6 +1,7 @@
-"""``%config`` in a cell (gpuhub/kernel/shell_settings.py): captured as plain data, taken on by
-another process's shell, put back to the kernel's start when a later image no longer sets it.
-Each case runs in processes of its own: an IPython shell is a process-wide singleton."""
+"""``%config`` and the options of IPython's objects set in a cell (gpuhub/kernel/shell_settings.py):
+captured as plain data, taken on by another process's shell, put back to the kernel's start when a
+later image no longer sets them. Each case runs in processes of its own: an IPython shell is a
+process-wide singleton."""
 
 from __future__ import annotations
 
@@ -27,28 +28,53 @@ def _in_a_shell(code: str) -> str:
     return out.stdout
 
 
+def _taken_on(state: dict, code: str) -> str:
+    """What ``code`` prints in a fresh shell that took ``state`` on."""
+    return _in_a_shell(f"state = json.loads({json.dumps(json.dumps(state))})\nshell_settings.apply(state)\n" + code)
+
+
 def test_config_magic_settings_are_taken_on_in_another_process():
-    """``%config`` sets traits of the shell's objects and its config: a plain kernel keeps them in
-    its process; another replica, or a GPU cell's fresh process, takes them on from the image."""
-    state = json.loads(_in_a_shell("""
+    """``%config`` sets options of the shell's objects and its config: a plain kernel keeps them
+    in its process; another replica, or a GPU cell's fresh process, takes them on from the image."""
+    first, then = map(json.loads, _in_a_shell("""
 shell.run_line_magic("config", "InteractiveShell.ast_node_interactivity = 'all'")
 shell.run_line_magic("config", "Completer.use_jedi = False")
 shell.run_line_magic("config", "MagicsManager.auto_magic = False")
-shell.run_line_magic("config", "InteractiveShell.separate_in = '  '")
+shell.run_line_magic("config", "InlineBackend.figure_format = 'retina'")  # no such object yet
 print(json.dumps(shell_settings.capture()))
-"""))
-    assert state["config"] == {"Completer": {"use_jedi": False}, "MagicsManager": {"auto_magic": False},
-                               "InteractiveShell": {"ast_node_interactivity": "all", "separate_in": "  "}}
-    seen = _in_a_shell(f"""
-state = json.loads({json.dumps(json.dumps(state))})
-shell_settings.apply(state)
+shell.run_line_magic("config", "InteractiveShell.ast_node_interactivity = 'last'")  # the start's again
+print(json.dumps(shell_settings.capture()))
+""").splitlines())
+    assert first["config"] == {"Completer": {"use_jedi": False}, "MagicsManager": {"auto_magic": False},
+                               "InteractiveShell": {"ast_node_interactivity": "all"},
+                               "InlineBackend": {"figure_format": "retina"}}
+    seen = _taken_on(first, f"""
 print(shell.ast_node_interactivity, shell.Completer.use_jedi, shell.magics_manager.auto_magic)
 assert shell_settings.capture() == state, shell_settings.capture()
-# a later image without the setting: the kernel's start again where it had one
-shell_settings.apply({{"config": {{"Completer": {{"use_jedi": False}}}}}})
-print(shell.ast_node_interactivity, shell.separate_in == '  ', shell.Completer.use_jedi)
+from matplotlib_inline.backend_inline import InlineBackend
+print(InlineBackend.instance(parent=shell).figure_format)  # made after: it reads the shell's config
+shell_settings.apply(json.loads({json.dumps(json.dumps(then))}))  # the next image
+print(shell.ast_node_interactivity, shell.Completer.use_jedi, shell.magics_manager.auto_magic)
 """)
-    assert seen.split("\n")[:2] == ["all False False", "last True False"]
+    assert seen.splitlines() == ["all False False", "retina", "last False False"]
+
+
+def test_options_a_cell_set_directly_are_taken_on_too():
+    """The form found on many notebooks sets the class attribute, which hides the trait; setting
+    an object's option is the other."""
+    state = json.loads(_in_a_shell("""
+InteractiveShell.ast_node_interactivity = "all"
+shell.Completer.use_jedi = False
+shell.history_manager.db_cache_size = 10**6  # what a GPU cell's process sets: never carried
+print(json.dumps(shell_settings.capture()))
+"""))
+    options = state["options"]
+    assert options["InteractiveShell"] == {"ast_node_interactivity": "all"}
+    assert [v for k, v in options.items() if "Completer" in k] == [{"use_jedi": False}]
+    assert "HistoryManager" not in options and "config" not in state
+    seen = _taken_on(state, "print(shell.ast_node_interactivity, shell.Completer.use_jedi, "
+                            "shell.history_manager.db_cache_size)")
+    assert seen.split() == ["all", "False", "0"]
 
 
 def test_a_config_value_that_is_not_plain_data_stays_behind_and_the_rest_goes():
