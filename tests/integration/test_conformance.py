@@ -3,9 +3,13 @@ what a plain ipykernel passes (docs/architecture.md D3: the client sees one ordi
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import jupyter_kernel_test as jkt
 import pytest
 from jupyter_client import BlockingKernelClient
+from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster, DevKernel
 
@@ -37,7 +41,22 @@ class IPythonSamples:
 
 
 class TestPlainIPyKernel(IPythonSamples, jkt.KernelTests):
-    """The reference: ipykernel as Jupyter starts it."""
+    """The reference: ipykernel as Jupyter starts it, with an IPython directory of its own: its
+    history search reads the whole history database, which the machine's other kernels share (a
+    ``1\n2`` run by hand in any kernel there made the unique search find two entries)."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls._ipython_dir = tempfile.TemporaryDirectory(prefix="gpuhub-conformance-")
+        cls.km, cls.kc = start_new_kernel(kernel_name=cls.kernel_name,
+                                          env={**os.environ, "IPYTHONDIR": cls._ipython_dir.name})
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        try:
+            super().tearDownClass()
+        finally:
+            cls._ipython_dir.cleanup()
 
 
 class TestPlainIPyKernelWelcome(jkt.IopubWelcomeTests):
