@@ -4,9 +4,11 @@ variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2
 the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity = "all"``),
 the module search path (``sys.path.insert(0, "../src")``), warnings filters
 (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
-(``logging.basicConfig(level=logging.INFO)``), NumPy's print options, pandas' options
+(``logging.basicConfig(level=logging.INFO)``), NumPy's print options and floating-point error
+handling (``np.seterr``), pandas' options
 (``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
-global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags).
+global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags,
+gradient mode).
 
 A plain kernel keeps them in its one process. A gpuhub kernel runs a GPU cell in a process forked
 from its replica, which ends after the cell (or after a short linger), and a cell may run on another
@@ -485,6 +487,19 @@ def _apply_numpy(wanted: dict) -> None:
         np.set_printoptions(**changed)
 
 
+def _capture_numpy_errors() -> dict | None:
+    """How NumPy treats floating-point errors (``np.seterr(divide="ignore")``, or "raise"): a
+    separate entry, which a replica of an earlier gpuhub skips."""
+    np = sys.modules.get("numpy")
+    return None if np is None else dict(sorted(np.geterr().items()))
+
+
+def _apply_numpy_errors(wanted: dict) -> None:
+    import numpy as np
+    if np.geterr() != wanted:
+        np.seterr(**wanted)
+
+
 def _pandas_options():
     """pandas' registered options and their current values (pandas keeps no public list of them)."""
     from pandas._config import config
@@ -579,7 +594,8 @@ def _torch_switches(torch) -> dict:
                               torch.is_deterministic_algorithms_warn_only_enabled()],
             "cudnn": [torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
                       torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32],
-            "matmul": [torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32]}
+            "matmul": [torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32],
+            "grad": torch.is_grad_enabled()}  # torch.set_grad_enabled(False), as inference notebooks do
 
 
 def _capture_torch() -> dict | None:
@@ -609,6 +625,8 @@ def _apply_torch(wanted: dict) -> None:
     if now["matmul"] != wanted["matmul"]:
         torch.set_float32_matmul_precision(wanted["matmul"][0])
         torch.backends.cuda.matmul.allow_tf32 = wanted["matmul"][1]
+    if wanted.get("grad", True) != now["grad"]:  # an image of an earlier gpuhub: the default
+        torch.set_grad_enabled(wanted.get("grad", True))
 
 
 # ------------------------------------------------------------------ the whole
@@ -639,8 +657,8 @@ def capture() -> dict:
             continue
         if value is not None:
             out[name] = value
-    for name, take in (("numpy", _capture_numpy), ("pandas", _capture_pandas), ("matplotlib", _capture_matplotlib),
-                       ("torch", _capture_torch)):
+    for name, take in (("numpy", _capture_numpy), ("numpy_errors", _capture_numpy_errors), ("pandas", _capture_pandas),
+                       ("matplotlib", _capture_matplotlib), ("torch", _capture_torch)):
         try:
             value = take()
         except Exception as exc:
@@ -670,6 +688,7 @@ def apply(state: dict) -> None:
         _step("%config", _apply_config, state.get("config", {}))
         _step("IPython options", _apply_options, state.get("options", {}))
         _step("numpy", _apply_numpy, state.get("numpy"))
+        _step("numpy errors", _apply_numpy_errors, state.get("numpy_errors"))
         _step("pandas", _apply_pandas, state.get("pandas"))
         _step("matplotlib", _apply_matplotlib, state.get("matplotlib"))
         _step("torch", _apply_torch, state.get("torch"))

@@ -184,6 +184,7 @@ SETTINGS = [
     "import warnings, numpy as np, pandas as pd, matplotlib as mpl\n"
     "warnings.filterwarnings('ignore', message='noisy')\n"
     "np.set_printoptions(precision=3)\n"
+    "np.seterr(divide='ignore')\n"
     "pd.set_option('display.max_rows', 7)\n"
     "mpl.rcParams['figure.figsize'] = (3.0, 2.0)\n"
     "mpl.rcParams['axes.prop_cycle'] = mpl.cycler(color=['red', 'blue'])",
@@ -200,7 +201,7 @@ SETTINGS_SHOWN = (
     "print([str(w.message) for w in caught], np.array([1 / 3]), pd.get_option('display.max_rows'),\n"
     "      mpl.rcParams['figure.figsize'], mpl.rcParams['axes.prop_cycle'].by_key()['color'],\n"
     "      'autoreload' in get_ipython().extension_manager.loaded, reloader.enabled, reloader.check_all,\n"
-    "      get_ipython().ast_node_interactivity, get_ipython().Completer.use_jedi)\n"
+    "      get_ipython().ast_node_interactivity, get_ipython().Completer.use_jedi, np.geterr()['divide'])\n"
     "del reloader\n"
     "logging.getLogger('notebook').info('shown as on a plain kernel')")
 

@@ -83,13 +83,13 @@ def test_torchs_seeded_generator_continues_its_sequence_after_a_failover(kernel)
 
 SWITCHED = ("torch.set_default_dtype(torch.float64)\ntorch.set_printoptions(precision=2)\n"
             "torch.use_deterministic_algorithms(True)\ntorch.backends.cudnn.benchmark = True\n"
-            "torch.set_float32_matmul_precision('high')")
+            "torch.set_float32_matmul_precision('high')\ntorch.set_grad_enabled(False)")
 SWITCHES = ("print(torch.tensor([1 / 3]), torch.are_deterministic_algorithms_enabled(),\n"
-            "      torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())")
+            "      torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision(), torch.is_grad_enabled())")
 
 
 def test_torchs_global_switches_follow_the_cells_after_a_failover(kernel):
-    """Default dtype, print options, deterministic algorithms, cuDNN and matmul flags are process
+    """Default dtype, print options, deterministic algorithms, cuDNN and matmul flags, gradient mode are process
     state, as a training notebook's first cell sets them (gpuhub/kernel/shell_settings.py)."""
     want = plain_outputs([SETUP, SWITCHED, SWITCHES])
     for code in (SETUP, SWITCHED):

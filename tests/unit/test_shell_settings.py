@@ -243,3 +243,19 @@ def test_numpys_print_options_taken_on_in_another_thread_reach_the_cells_thread_
     joining.join()
     shell_settings.reapply()
     assert np.get_printoptions()["precision"] == 3
+
+
+
+def test_numpys_floating_point_error_handling_is_taken_on():
+    """``np.seterr(...)`` stays for the cells after it in a plain kernel's process. (PyTorch's
+    gradient mode: tests/integration/test_torch_training.py, importing torch starts processes.)"""
+    before = np.seterr(divide="ignore", invalid="raise")
+    try:
+        state = pickle.loads(pickle.dumps(shell_settings.capture()))
+        np.seterr(**before)
+        shell_settings.apply(state)
+        assert (np.geterr()["divide"], np.geterr()["invalid"]) == ("ignore", "raise")
+        shell_settings.apply({k: v for k, v in state.items() if k != "numpy_errors"})
+        assert np.geterr()["divide"] == "ignore"  # an image without it (an earlier gpuhub's) leaves it
+    finally:
+        np.seterr(**before)
