@@ -1,11 +1,11 @@
 """Settings cells make in IPython and in common libraries, which live in the process, not in any
 variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``),
 ``%precision``, ``%xmode``, ``%config`` (``%config InlineBackend.figure_format = "retina"``) and
-the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity = "all"``),
-the module search path (``sys.path.insert(0, "../src")``), warnings filters
+the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity =
+"all"``), the module search path (``sys.path.insert(0, "../src")``), warnings filters
 (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
-(``logging.basicConfig(level=logging.INFO)``), NumPy's print options and floating-point error
-handling (``np.seterr``), pandas' options
+(``logging.basicConfig(level=logging.INFO)``), named loggers' levels and ``logging.disable``,
+NumPy's print options and floating-point error handling (``np.seterr``), pandas' options
 (``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
 global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags,
 gradient mode).
@@ -17,13 +17,13 @@ working directory and environment (:mod:`gpuhub.kernel.process_state`, the image
 entry, key ``settings``), and each replica that loads an image takes them on, so the next cell's
 process starts with them.
 
-Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so
-the image always pickles and loads, and a setting one replica cannot take (a warning category or an
+Everything travels as plain data (strings, numbers, lists), never as the objects themselves, so the
+image always pickles and loads, and a setting one replica cannot take (a warning category or an
 extension its server lacks) is logged once and skipped. What is not carried: a NumPy formatter
-function, rcParams whose values are objects other than a color cycle, ``%config`` values and options other
-than plain data (and the kernel application's and the history's own), logging handlers other than
-the root logger's to sys.stdout/sys.stderr (or with a formatter of another class), other
-loggers' levels.
+function, rcParams whose values are objects other than a color cycle, ``%config`` values and
+options other than plain data (and the kernel application's and the history's own), logging
+handlers other than the root logger's to sys.stdout/sys.stderr (or with a formatter of another
+class), levels of gpuhub's own loggers (each replica's).
 
 A GPU kernel's replica never runs a cell and must never initialise CUDA (every process forked
 from it would lose it; gpuhub/kernel/warm_imports.py): it runs no code a setting names. An
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
+_baseline_levels: dict[str, int] | None = None  # named loggers' levels at the kernel's start
+_levels_taken: set[str] = set()  # the named loggers apply() last set a level on
 _baseline_path: list[str] | None = None
 _baseline_config: dict | None = None
 _baseline_options: dict | None = None
@@ -61,8 +63,11 @@ def take_baseline() -> None:
     """The warnings filters, the root logger and the module search path the cells start from (the
     kernel calls it as it is built): an image carries each only once a cell changed it, so an
     unchanged namespace gives an unchanged image."""
-    global _baseline_filters, _baseline_logging, _baseline_path, _baseline_config, _baseline_options
+    global _baseline_filters, _baseline_logging, _baseline_levels, _baseline_path, _baseline_config
+    global _baseline_options
     _baseline_filters = _filters()
+    _baseline_levels = _logger_levels()
+    _levels_taken.clear()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
     _baseline_config = _config()
@@ -423,7 +428,7 @@ def _apply_filters(wanted: list) -> None:
     warnings._filters_mutated()  # type: ignore[attr-defined]  # (what filterwarnings calls: caches reset)
 
 
-# ------------------------------------------------------------------ the root logger
+# ------------------------------------------------------------------ logging
 
 _STYLE_OF = {style: key for key, (style, _) in logging._STYLES.items()}  # type: ignore[attr-defined]
 
@@ -443,25 +448,54 @@ def _describe(handler: logging.Handler) -> list | None:
             _STYLE_OF.get(type(f._style), "%") if f else "%"]
 
 
+def _logger_levels() -> dict[str, int]:
+    """The levels set on named loggers (``logging.getLogger("transformers").setLevel(logging.ERROR)``,
+    what ``transformers.logging.set_verbosity_error()`` does), gpuhub's own excepted."""
+    return {name: logger.level for name, logger in list(logging.Logger.manager.loggerDict.items())
+            if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
+            and name != "gpuhub" and not name.startswith("gpuhub.")}
+
+
 def _logging() -> dict:
+    """The root logger's level and handlers to the notebook, the levels cells set on named loggers
+    (against those of the kernel's start: a library's own stay its own) and ``logging.disable``."""
     root = logging.getLogger()
-    return {"level": root.level,
-            "handlers": [d for h in root.handlers if (d := _describe(h)) is not None]}
+    out = {"level": root.level,
+           "handlers": [d for h in root.handlers if (d := _describe(h)) is not None]}
+    base = _baseline_levels or {}
+    levels = sorted([name, level] for name, level in _logger_levels().items() if base.get(name) != level)
+    if levels:
+        out["levels"] = levels
+    if logging.root.manager.disable:
+        out["disable"] = logging.root.manager.disable
+    return out
 
 
 def _apply_logging(wanted: dict) -> None:
     if _logging() == wanted:
         return
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if _describe(h) is not None]:
-        root.removeHandler(handler)
-    for stream, level, fmt, datefmt, style in wanted["handlers"]:
-        handler = logging.StreamHandler(getattr(sys, stream))
-        handler.setLevel(level)
-        if fmt is not None or datefmt is not None:
-            handler.setFormatter(logging.Formatter(fmt, datefmt, style))
-        root.addHandler(handler)
-    root.setLevel(wanted["level"])
+    if wanted.get("handlers") != _logging()["handlers"] or wanted.get("level") != root.level:
+        for handler in [h for h in root.handlers if _describe(h) is not None]:
+            root.removeHandler(handler)
+        for stream, level, fmt, datefmt, style in wanted["handlers"]:
+            handler = logging.StreamHandler(getattr(sys, stream))
+            handler.setLevel(level)
+            if fmt is not None or datefmt is not None:
+                handler.setFormatter(logging.Formatter(fmt, datefmt, style))
+            root.addHandler(handler)
+        root.setLevel(wanted["level"])
+    levels = dict(wanted.get("levels") or ())
+    for name in _levels_taken - levels.keys():  # a level an earlier state set and this one does not
+        levels[name] = (_baseline_levels or {}).get(name, logging.NOTSET)
+    for name, level in levels.items():
+        logger = logging.getLogger(name)
+        if logger.level != level:
+            logger.setLevel(level)
+    _levels_taken.clear()
+    _levels_taken.update(name for name, _ in wanted.get("levels") or ())
+    if logging.root.manager.disable != wanted.get("disable", 0):
+        logging.disable(wanted.get("disable", 0))
 
 
 # ------------------------------------------------------------------ NumPy, pandas, Matplotlib

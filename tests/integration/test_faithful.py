@@ -188,7 +188,8 @@ SETTINGS = [
     "pd.set_option('display.max_rows', 7)\n"
     "mpl.rcParams['figure.figsize'] = (3.0, 2.0)\n"
     "mpl.rcParams['axes.prop_cycle'] = mpl.cycler(color=['red', 'blue'])",
-    "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')",
+    "import logging\nlogging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+    "logging.getLogger('noisy.library').setLevel(logging.ERROR)",
     # %config, and the class attribute many notebooks set
     "%config Completer.use_jedi = False\nfrom IPython.core.interactiveshell import InteractiveShell\n"
     "InteractiveShell.ast_node_interactivity = 'all'",
@@ -203,12 +204,13 @@ SETTINGS_SHOWN = (
     "      'autoreload' in get_ipython().extension_manager.loaded, reloader.enabled, reloader.check_all,\n"
     "      get_ipython().ast_node_interactivity, get_ipython().Completer.use_jedi, np.geterr()['divide'])\n"
     "del reloader\n"
-    "logging.getLogger('notebook').info('shown as on a plain kernel')")
+    "logging.getLogger('notebook').info('shown as on a plain kernel')\n"
+    "logging.getLogger('noisy.library').warning('hidden as on a plain kernel')")
 
 
 def test_settings_made_in_cells_follow_them_to_another_replica(kernel):
     """Found side by side: ``%autoreload 2``, a warnings filter, ``logging.basicConfig``, NumPy's and
-    pandas' options, rcParams and ``%config`` live in the process, not in a variable, and were gone
+    pandas' options, rcParams, ``%config`` and loggers' levels live in the process, not in a variable, and were gone
     once the next cell ran in another process (a GPU cell's, after its linger) or on another replica (here: a failover).
     gpuhub/kernel/shell_settings.py carries them with each image."""
     want = plain_streams([*SETTINGS, SETTINGS_SHOWN])[-1]

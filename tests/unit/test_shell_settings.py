@@ -259,3 +259,26 @@ def test_numpys_floating_point_error_handling_is_taken_on():
         assert np.geterr()["divide"] == "ignore"  # an image without it (an earlier gpuhub's) leaves it
     finally:
         np.seterr(**before)
+
+
+def test_levels_set_on_named_loggers_and_logging_disable_are_taken_on():
+    """``transformers.logging.set_verbosity_error()`` sets its library's logger's level, and
+    ``logging.disable(...)`` silences every logger: both live in the process, not in a variable."""
+    quiet, ours = logging.getLogger("gh_library"), logging.getLogger("gpuhub.kernel.gh_test")
+    try:
+        quiet.setLevel(logging.ERROR)
+        ours.setLevel(logging.DEBUG)  # gpuhub's own: each replica's
+        logging.disable(logging.INFO)
+        state = pickle.loads(pickle.dumps(shell_settings.capture()))
+        assert state["logging"]["levels"] == [["gh_library", logging.ERROR]]
+        quiet.setLevel(logging.NOTSET)
+        ours.setLevel(logging.NOTSET)
+        logging.disable(logging.NOTSET)
+        shell_settings.apply(state)
+        assert (quiet.level, ours.level, logging.root.manager.disable) == (logging.ERROR, logging.NOTSET, logging.INFO)
+        shell_settings.apply({})  # a later image: the cells reset them
+        assert (quiet.level, logging.root.manager.disable) == (logging.NOTSET, logging.NOTSET)
+    finally:
+        quiet.setLevel(logging.NOTSET)
+        ours.setLevel(logging.NOTSET)
+        logging.disable(logging.NOTSET)
