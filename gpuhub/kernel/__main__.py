@@ -10,6 +10,7 @@ from ipykernel.kernelapp import IPKernelApp
 
 from gpuhub.kernel.jedi_cache import make_completion_cache_safe
 from gpuhub.kernel.kernel import GpuhubKernel
+from gpuhub.kernel.shell_settings import OWN_LOGGERS
 
 
 def _exit_when_the_heartbeat_dies() -> None:
@@ -29,10 +30,6 @@ def _exit_when_the_heartbeat_dies() -> None:
         os._exit(3)
 
     threading.excepthook = hook
-
-
-# The loggers of the replica's own machinery: gpuhub's and its Raft library's.
-OWN_LOGGERS = ("gpuhub", "pysyncobj")
 
 
 def log_to_the_journal() -> None:

@@ -4,7 +4,7 @@ variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2
 the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity =
 "all"``), the module search path (``sys.path.insert(0, "../src")``), warnings filters
 (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
-(``logging.basicConfig(level=logging.INFO)``), named loggers' levels and ``logging.disable``,
+(``logging.basicConfig(level=logging.INFO)``), named loggers' levels,
 NumPy's print options and floating-point error handling (``np.seterr``), pandas' options
 (``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
 global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags,
@@ -23,12 +23,15 @@ extension its server lacks) is logged once and skipped. What is not carried: a N
 function, rcParams whose values are objects other than a color cycle, ``%config`` values and
 options other than plain data (and the kernel application's and the history's own), logging
 handlers other than the root logger's to sys.stdout/sys.stderr (or with a formatter of another
-class), levels of gpuhub's own loggers (each replica's).
+class), the replica's own loggers' levels (:data:`OWN_LOGGERS`), ``logging.disable`` (it would
+silence the replicas' own logs too).
 
-A GPU kernel's replica never runs a cell and must never initialise CUDA (every process forked
-from it would lose it; gpuhub/kernel/warm_imports.py): it runs no code a setting names. An
-extension is loaded, and a warning category's module imported, in each cell's process as it starts
+A GPU kernel's replica never runs a cell and must never initialise CUDA (every process forked from
+it would lose it; gpuhub/kernel/warm_imports.py): it runs no code a setting names. An extension is
+loaded, and a warning category's module imported, in each cell's process as it starts
 (:func:`apply_deferred`, once its GPUs are set), not in the replica (:func:`defer_code`).
+Completion options that evaluate what is typed (``%config IPCompleter.greedy = True``) are not
+taken there either: the replica answers completions.
 """
 
 from __future__ import annotations
@@ -47,12 +50,9 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
 _baseline_levels: dict[str, int] | None = None  # named loggers' levels at the kernel's start
-_levels_taken: set[str] = set()  # the named loggers apply() last set a level on
 _baseline_path: list[str] | None = None
 _baseline_config: dict | None = None
 _baseline_options: dict | None = None
-_config_taken: dict = {}  # what apply() last set as %config does: {section: {name: value}}
-_options_taken: dict = {}  # what apply() last set on the shell's objects: {class: {name: value}}
 _refused: set[str] = set()  # settings already logged as not taken here
 _defer_code = False  # a GPU kernel's replica: see defer_code()
 _deferred: dict = {}  # what this process left to the next cell's process
@@ -67,14 +67,11 @@ def take_baseline() -> None:
     global _baseline_options
     _baseline_filters = _filters()
     _baseline_levels = _logger_levels()
-    _levels_taken.clear()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
     _baseline_config = _config()
     _trait_names.clear()
     _baseline_options = _options()
-    _config_taken.clear()
-    _options_taken.clear()
 
 
 def defer_code(on: bool = True) -> None:
@@ -279,36 +276,38 @@ def _changes(now: dict | None, base: dict | None) -> dict | None:
     return {section: entries for section, entries in changed.items() if entries} or None
 
 
-def _targets(wanted: dict, taken: dict, base: dict | None) -> dict:
-    """What to set for ``wanted``: its entries, and the kernel's start (``base``) for the entries an
-    earlier state set (``taken``) that this one no longer holds. ``taken`` becomes ``wanted``."""
-    base = base or {}
-    target: dict = {}
-    for section, entries in taken.items():
-        for name in entries:
-            if name not in (wanted.get(section) or {}) and name in base.get(section, {}):
-                target.setdefault(section, {})[name] = base[section][name]
-    for section, entries in wanted.items():
-        if isinstance(entries, dict) and section not in _OWN_SECTIONS:
-            target.setdefault(section, {}).update(entries)
-    taken.clear()
-    taken.update({section: dict(entries) for section, entries in wanted.items() if isinstance(entries, dict)})
-    return target
+# Completion answered by a GPU kernel's replica must not run the notebook's code: with these,
+# IPython evaluates what is typed (``x.cuda().<Tab>`` calls ``x.cuda()``), which would give the
+# replica a CUDA context that every process forked from it then lacks.
+_EVALUATING_COMPLETION = frozenset({"greedy", "evaluation"})
+
+
+def _skipped_here(section: str, name: str) -> bool:
+    return _defer_code and section.endswith("Completer") and name in _EVALUATING_COMPLETION
 
 
 def _apply_config(wanted: dict) -> None:
-    """Set what ``wanted`` says as ``%config`` does: every configurable of the shell takes the
-    entries meant for its class, and the shell's config keeps them for those made later
-    (Matplotlib's InlineBackend)."""
+    """Make the shell's configuration what ``wanted`` says (entries of the kernel's start that it
+    no longer lists go back to their start values) as ``%config`` does: every configurable of the
+    shell takes the entries meant for its class, and the shell's config keeps them for those made
+    later (Matplotlib's InlineBackend)."""
     from traitlets.config import Config
 
     shell = _shell()
     if shell is None:
         return
-    now = _config() or {}
-    target = _targets(wanted, _config_taken, _baseline_config)
+    base, now = _baseline_config or {}, _config() or {}
+    target: dict = {}
+    for section, entries in now.items():  # changed here (by this replica's own cells, too) and not wanted
+        for name, value in entries.items():
+            start = base.get(section, {}).get(name, _MISSING)
+            if start is not _MISSING and value != start and name not in (wanted.get(section) or {}):
+                target.setdefault(section, {})[name] = start
+    for section, entries in wanted.items():
+        if isinstance(entries, dict) and section not in _OWN_SECTIONS:
+            target.setdefault(section, {}).update(entries)
     cfg = Config({section: {name: value for name, value in entries.items()
-                            if now.get(section, {}).get(name, _MISSING) != value}
+                            if now.get(section, {}).get(name, _MISSING) != value and not _skipped_here(section, name)}
                   for section, entries in target.items()})
     if not any(cfg.values()):
         return
@@ -322,18 +321,22 @@ def _apply_config(wanted: dict) -> None:
 
 
 def _apply_options(wanted: dict) -> None:
-    """Set the options ``wanted`` names on the shell's objects of those classes."""
+    """Make every carried option of the shell's objects what ``wanted`` says, or its value at the
+    kernel's start where ``wanted`` does not list it (after %config's path: this decides)."""
     shell = _shell()
-    if shell is None:
+    if shell is None or _baseline_options is None:
         return
-    target = _targets(wanted, _options_taken, _baseline_options)
-    for obj in shell.configurables if target else ():
-        for name, value in target.get(type(obj).__name__, {}).items():
+    for obj, cls, names in _configurables(shell):
+        start, want = _baseline_options.get(cls, {}), wanted.get(cls) or {}
+        for name in names:
+            value = want.get(name, start.get(name, _MISSING))
+            if value is _MISSING or _skipped_here(cls, name):
+                continue
             try:
                 if _config_value(getattr(obj, name, _MISSING)) != value:
                     setattr(obj, name, value)
             except Exception as exc:  # an option this IPython lacks or validates otherwise
-                _refuse(f"{type(obj).__name__}.{name}", exc)
+                _refuse(f"{cls}.{name}", exc)
 
 
 # ------------------------------------------------------------------ the module search path
@@ -448,26 +451,29 @@ def _describe(handler: logging.Handler) -> list | None:
             _STYLE_OF.get(type(f._style), "%") if f else "%"]
 
 
+OWN_LOGGERS = ("gpuhub", "pysyncobj")
+"""The loggers of the replica's own machinery, gpuhub's and its Raft library's: each replica's."""
+
+
 def _logger_levels() -> dict[str, int]:
     """The levels set on named loggers (``logging.getLogger("transformers").setLevel(logging.ERROR)``,
-    what ``transformers.logging.set_verbosity_error()`` does), gpuhub's own excepted."""
+    what ``transformers.logging.set_verbosity_error()`` does), the replica's own excepted."""
     return {name: logger.level for name, logger in list(logging.Logger.manager.loggerDict.items())
             if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
-            and name != "gpuhub" and not name.startswith("gpuhub.")}
+            and not any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)}
 
 
 def _logging() -> dict:
-    """The root logger's level and handlers to the notebook, the levels cells set on named loggers
-    (against those of the kernel's start: a library's own stay its own) and ``logging.disable``."""
+    """The root logger's level and handlers to the notebook, and the named loggers whose level
+    differs from the kernel's start (a library's own, set as it was imported, included)."""
     root = logging.getLogger()
     out = {"level": root.level,
            "handlers": [d for h in root.handlers if (d := _describe(h)) is not None]}
-    base = _baseline_levels or {}
-    levels = sorted([name, level] for name, level in _logger_levels().items() if base.get(name) != level)
+    base, now = _baseline_levels or {}, _logger_levels()
+    levels = sorted([name, now.get(name, logging.NOTSET)] for name in now.keys() | base.keys()
+                    if now.get(name, logging.NOTSET) != base.get(name, logging.NOTSET))
     if levels:
         out["levels"] = levels
-    if logging.root.manager.disable:
-        out["disable"] = logging.root.manager.disable
     return out
 
 
@@ -485,17 +491,15 @@ def _apply_logging(wanted: dict) -> None:
                 handler.setFormatter(logging.Formatter(fmt, datefmt, style))
             root.addHandler(handler)
         root.setLevel(wanted["level"])
-    levels = dict(wanted.get("levels") or ())
-    for name in _levels_taken - levels.keys():  # a level an earlier state set and this one does not
-        levels[name] = (_baseline_levels or {}).get(name, logging.NOTSET)
+    # every named logger as wanted, or as at the kernel's start (this replica's own cells may have
+    # set one that a later cell elsewhere set back)
+    base, levels = _baseline_levels or {}, dict(wanted.get("levels") or ())
+    for name in (_logger_levels().keys() | base.keys()) - levels.keys():
+        levels[name] = base.get(name, logging.NOTSET)
     for name, level in levels.items():
         logger = logging.getLogger(name)
         if logger.level != level:
             logger.setLevel(level)
-    _levels_taken.clear()
-    _levels_taken.update(name for name, _ in wanted.get("levels") or ())
-    if logging.root.manager.disable != wanted.get("disable", 0):
-        logging.disable(wanted.get("disable", 0))
 
 
 # ------------------------------------------------------------------ NumPy, pandas, Matplotlib

@@ -77,6 +77,48 @@ print(json.dumps(shell_settings.capture()))
     assert seen.split() == ["all", "False", "0"]
 
 
+def test_options_this_replicas_own_cell_set_go_back_when_a_later_image_sets_them_back():
+    """The executor never takes its own images: what its cell set, another replica's later cell
+    may set back, and the image that says so lists nothing (the start's value is no change)."""
+    seen = _in_a_shell("""
+shell.ast_node_interactivity = "all"  # this replica's cell
+shell.run_line_magic("config", "MagicsManager.auto_magic = False")
+shell_settings.apply({})  # a later image from cells elsewhere that set both back
+print(shell.ast_node_interactivity, shell.magics_manager.auto_magic)
+""")
+    assert seen.split() == ["last", "True"]
+
+
+def test_a_direct_reset_after_config_decides():
+    """``%config X.y = a`` then ``obj.y = <the start's value>``: the config still says ``a``; a
+    replica taking the image must end at the start's value, as the executor has it."""
+    state = json.loads(_in_a_shell("""
+shell.run_line_magic("config", "InteractiveShell.ast_node_interactivity = 'all'")
+shell.ast_node_interactivity = "last"
+print(json.dumps(shell_settings.capture()))
+"""))
+    assert state["config"] == {"InteractiveShell": {"ast_node_interactivity": "all"}}
+    assert _taken_on(state, "print(shell.ast_node_interactivity)").split() == ["last"]
+
+
+def test_a_gpu_replica_takes_no_completion_option_that_evaluates_code():
+    """IPython's greedy completion evaluates what is typed (``x.cuda().<Tab>`` calls ``x.cuda()``):
+    in a GPU kernel's replica, which answers completions, that would start CUDA."""
+    state = json.loads(_in_a_shell("""
+shell.run_line_magic("config", "IPCompleter.greedy = True")
+shell.run_line_magic("config", "Completer.use_jedi = False")
+print(json.dumps(shell_settings.capture()))
+"""))
+    seen = _in_a_shell(f"""
+shell_settings.defer_code()
+shell_settings.apply(json.loads({json.dumps(json.dumps(state))}))
+c = shell.Completer
+print(c.greedy, c.evaluation, c.use_jedi, shell.config.IPCompleter.get("greedy"))
+""")
+    assert seen.split() == ["False", "limited", "False", "None"]
+    assert _taken_on(state, "print(shell.Completer.greedy, shell.Completer.evaluation)").split() == ["True", "unsafe"]
+
+
 def test_a_config_value_that_is_not_plain_data_stays_behind_and_the_rest_goes():
     out = _in_a_shell("""
 import logging

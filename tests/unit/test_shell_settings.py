@@ -261,24 +261,30 @@ def test_numpys_floating_point_error_handling_is_taken_on():
         np.seterr(**before)
 
 
-def test_levels_set_on_named_loggers_and_logging_disable_are_taken_on():
-    """``transformers.logging.set_verbosity_error()`` sets its library's logger's level, and
-    ``logging.disable(...)`` silences every logger: both live in the process, not in a variable."""
+def test_levels_set_on_named_loggers_are_taken_on_and_set_back():
+    """``transformers.logging.set_verbosity_error()`` sets its library's logger's level: it lives in
+    the process, not in a variable. A level this replica's own cell set, which a later cell on
+    another replica set back, is set back here too (this replica never took it from an image)."""
     quiet, ours = logging.getLogger("gh_library"), logging.getLogger("gpuhub.kernel.gh_test")
+    raft, started = logging.getLogger("pysyncobj.gh_test"), logging.getLogger("gh_started")
     try:
+        started.setLevel(logging.INFO)  # as at the kernel's start
+        shell_settings.take_baseline()
         quiet.setLevel(logging.ERROR)
-        ours.setLevel(logging.DEBUG)  # gpuhub's own: each replica's
-        logging.disable(logging.INFO)
+        ours.setLevel(logging.DEBUG)  # the replica's own: each replica's
+        raft.setLevel(logging.DEBUG)
+        started.setLevel(logging.NOTSET)
         state = pickle.loads(pickle.dumps(shell_settings.capture()))
-        assert state["logging"]["levels"] == [["gh_library", logging.ERROR]]
+        assert state["logging"]["levels"] == [["gh_library", logging.ERROR], ["gh_started", logging.NOTSET]]
         quiet.setLevel(logging.NOTSET)
         ours.setLevel(logging.NOTSET)
-        logging.disable(logging.NOTSET)
+        raft.setLevel(logging.NOTSET)
+        started.setLevel(logging.INFO)
         shell_settings.apply(state)
-        assert (quiet.level, ours.level, logging.root.manager.disable) == (logging.ERROR, logging.NOTSET, logging.INFO)
-        shell_settings.apply({})  # a later image: the cells reset them
-        assert (quiet.level, logging.root.manager.disable) == (logging.NOTSET, logging.NOTSET)
+        assert (quiet.level, started.level, ours.level, raft.level) == (logging.ERROR, logging.NOTSET, 0, 0)
+        quiet.setLevel(logging.WARNING)  # this replica's own cell
+        shell_settings.apply({})  # then an image from cells elsewhere that set nothing
+        assert (quiet.level, started.level) == (logging.NOTSET, logging.INFO)
     finally:
-        quiet.setLevel(logging.NOTSET)
-        ours.setLevel(logging.NOTSET)
-        logging.disable(logging.NOTSET)
+        for logger in (quiet, ours, raft, started):
+            logger.setLevel(logging.NOTSET)
