@@ -2,13 +2,12 @@
 variable: IPython extensions (``%load_ext``), autoreload's mode (``%autoreload 2``),
 ``%precision``, ``%xmode``, ``%config`` (``%config InlineBackend.figure_format = "retina"``) and
 the options of IPython's objects set directly (``InteractiveShell.ast_node_interactivity =
-"all"``), the module search path (``sys.path.insert(0, "../src")``), warnings filters
-(``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the notebook
-(``logging.basicConfig(level=logging.INFO)``), named loggers' levels,
-NumPy's print options and floating-point error handling (``np.seterr``), pandas' options
-(``pd.set_option``), Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's
-global switches (default dtype, print options, deterministic algorithms, cuDNN and TF32 flags,
-gradient mode).
+"all"``), the module search path (``sys.path.insert(0, "../src")``) and recursion limit, warnings
+filters (``warnings.filterwarnings("ignore")``), the root logger's level and its handlers to the
+notebook (``logging.basicConfig(level=logging.INFO)``), named loggers' levels, NumPy's print
+options and floating-point error handling (``np.seterr``), pandas' options (``pd.set_option``),
+Matplotlib's rcParams (``plt.rcParams["figure.figsize"] = ...``) and PyTorch's global switches
+(default dtype, print options, deterministic algorithms, cuDNN and TF32 flags, gradient mode).
 
 A plain kernel keeps them in its one process. A gpuhub kernel runs a GPU cell in a process forked
 from its replica, which ends after the cell (or after a short linger), and a cell may run on another
@@ -49,6 +48,7 @@ log = logging.getLogger(__name__)
 _PRIMITIVES = (str, int, float, bool, type(None))
 _baseline_filters: list | None = None
 _baseline_logging: dict | None = None
+_baseline_recursion: int | None = None  # sys.getrecursionlimit() at the kernel's start
 _baseline_levels: dict[str, int] | None = None  # named loggers' levels at the kernel's start
 _baseline_path: list[str] | None = None
 _baseline_config: dict | None = None
@@ -64,11 +64,12 @@ def take_baseline() -> None:
     kernel calls it as it is built): an image carries each only once a cell changed it, so an
     unchanged namespace gives an unchanged image."""
     global _baseline_filters, _baseline_logging, _baseline_levels, _baseline_path, _baseline_config
-    global _baseline_options
+    global _baseline_options, _baseline_recursion
     _baseline_filters = _filters()
     _baseline_levels = _logger_levels()
     _baseline_logging = _logging()
     _baseline_path = list(sys.path)
+    _baseline_recursion = sys.getrecursionlimit()
     _baseline_config = _config()
     _trait_names.clear()
     _baseline_options = _options()
@@ -687,6 +688,8 @@ def capture() -> dict:
             out[name] = value
     if _baseline_path is not None and sys.path != _baseline_path:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
+    if _baseline_recursion is not None and sys.getrecursionlimit() != _baseline_recursion:
+        out["recursion_limit"] = sys.getrecursionlimit()  # sys.setrecursionlimit(5000)
     for name, changes in (("config", lambda: _changes(_config(), _baseline_config)), ("options", _option_changes)):
         try:
             value = changes()
@@ -721,6 +724,7 @@ def apply(state: dict) -> None:
     _step("warnings", _apply_filters, state.get("warnings", _baseline_filters))
     _step("logging", _apply_logging, state.get("logging", _baseline_logging))
     _step("path", _apply_path, state.get("path", [[], []] if _baseline_path is not None else None))
+    _step("recursion limit", sys.setrecursionlimit, state.get("recursion_limit", _baseline_recursion))
     with silenced():
         _step("IPython", _apply_ipython, state)
         _step("%config", _apply_config, state.get("config", {}))

@@ -288,3 +288,17 @@ def test_levels_set_on_named_loggers_are_taken_on_and_set_back():
     finally:
         for logger in (quiet, ours, raft, started):
             logger.setLevel(logging.NOTSET)
+
+
+def test_the_recursion_limit_a_cell_set_is_taken_on_and_set_back():
+    start = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(start + 500)
+        state = pickle.loads(pickle.dumps(shell_settings.capture()))
+        sys.setrecursionlimit(start)
+        shell_settings.apply(state)
+        assert sys.getrecursionlimit() == start + 500
+        shell_settings.apply({})  # a later image: a cell set it back
+        assert sys.getrecursionlimit() == start
+    finally:
+        sys.setrecursionlimit(start)
