@@ -243,6 +243,8 @@ def _enter_cell_process(shell, gpu_uuids: list[str], chan: FrameWriter, replies:
     _rebind_log_handlers(streams)
     publisher, hook = _display or _display_objects(shell)  # traitlets objects: slow to build per cell
     publisher.chan = hook.chan = chan
+    for under in images.UNDERS:  # the output history as the replica's displayhook holds it (image.install)
+        setattr(hook, under, getattr(shell.displayhook, under, ""))
     shell.display_pub = publisher
     shell.displayhook = hook
     shell.display_trap.hook = hook

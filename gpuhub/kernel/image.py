@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import dirty, process_state, random_state, shell_settings, tensors
+from gpuhub.kernel import dirty, process_state, random_state, shell_settings, tensors, wrappers
 from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
@@ -202,8 +202,9 @@ def _namespace() -> dict:
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, plus numpy views kept as views of their (shared) base, PyTorch tensors with
     their storage out of band (:mod:`gpuhub.kernel.tensors`), GPU tensors sent from the host with
-    their logical device (:mod:`gpuhub.kernel.devices`), and notebook functions' globals sent as a
-    reference to the namespace (``namespace``: the one being captured)."""
+    their logical device (:mod:`gpuhub.kernel.devices`), notebook functions' functools wrappers by
+    value (:mod:`gpuhub.kernel.wrappers`), and notebook functions' globals sent as a reference to
+    the namespace (``namespace``: the one being captured)."""
 
     def __init__(self, file, *, namespace: dict | None = None, **kw) -> None:
         super().__init__(file, **kw)
@@ -228,9 +229,13 @@ class _Pickler(cloudpickle.Pickler):
                     return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
         if type(obj) is _LargeBytes:  # loads as bytes(buffer) or bytearray(buffer): a copy of its own
             return type(obj.value), (pickle.PickleBuffer(obj.value),)
-        reduced = tensors.reduce_tensor(obj, self._storages)
+        reduced = tensors.reduce_tensor(obj, self._storages) or wrappers.reduce_wrapper(obj)
         if reduced is not None:
             return reduced
+        name = wrappers.by_reference_to_the_notebook(obj)
+        if name is not None:  # an image another replica could not load: this name stays behind
+            raise pickle.PicklingError(f"a {type(obj).__name__} pickles by its name in the notebook ({name!r}), "
+                                       "which another process cannot look up as it loads the image")
         return super().reducer_override(obj)
 
 
@@ -252,9 +257,56 @@ def _picklable(value) -> str | None:
     return None
 
 
-def capture_process() -> dict:
-    """The image's :data:`PROCESS` entry: this process's state beside the names."""
-    return {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture()}
+def capture_process(ns: dict | None = None, hidden=None) -> dict:
+    """The image's :data:`PROCESS` entry: this process's state beside the names (``ns``: the
+    namespace being captured, and ``hidden`` IPython's hidden part of it)."""
+    out = {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture()}
+    if ns is not None and hidden is not None:
+        out["output_history"] = _output_history_owned(ns, hidden)
+    return out
+
+
+UNDERS = ("_", "__", "___")
+_NOT_THE_NOTEBOOKS = object()  # what IPython holds for an output-history name a cell assigned
+
+
+def _displayhook():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "displayhook", None) if shell is not None else None
+
+
+def _output_history_owned(ns: dict, hidden) -> list[str]:
+    """Which of ``_``, ``__``, ``___`` IPython still owns. Its displayhook moves them on with each
+    result only while each still holds what it put there, by its own record: the hidden namespace
+    (``user_ns_hidden``, IPython 8.x), else the displayhook's attributes; a cell that assigned one
+    itself stops it. A process that loads the image has a record of its own, stale: it takes this
+    on from the image (:func:`install`), else ``_`` stopped at the first result another replica,
+    or a GPU cell's fresh process, loaded."""
+    hook = _displayhook()
+    owned = []
+    for u in UNDERS:
+        if u in ns:
+            in_hidden = isinstance(hidden, dict) and u in hidden
+            record = hidden[u] if in_hidden else getattr(hook, u, _NOT_THE_NOTEBOOKS)
+            if record is ns[u]:
+                owned.append(u)
+    return owned
+
+
+def _give_output_history_to_ipython(ns: dict, hidden, owned) -> None:
+    if not isinstance(owned, list) or not hasattr(hidden, "__setitem__"):
+        return
+    hook = _displayhook()
+    for u in UNDERS:
+        if u in ns:
+            record = ns[u] if u in owned else _NOT_THE_NOTEBOOKS
+            hidden[u] = record
+            if hook is not None:
+                setattr(hook, u, record)
 
 
 def apply_process(process) -> None:
@@ -274,7 +326,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     names = replicated_names(ns, hidden)
     failed: dict[str, str] = {}
     image = {name: ns[name] for name in names}
-    image[PROCESS] = capture_process()
+    image[PROCESS] = capture_process(ns, hidden)
     if isinstance(image.get(OUT), dict):
         image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
     _out_of_band_bytes(image, min_buffer)
@@ -339,7 +391,8 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     replicated name not in the image is removed. ``Out`` is updated in place: IPython's
     displayhook and history hold that very dict. The image's working directory and environment
     become this process's (an image from before they were carried leaves both as they are)."""
-    apply_process(image.pop(PROCESS, None))
+    process = image.pop(PROCESS, None)
+    apply_process(process)
     candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
     for name in candidates:
         if name not in image and name != OUT:
@@ -353,3 +406,5 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
             current.update(out)
         else:
             ns[OUT] = out
+    if isinstance(process, dict):
+        _give_output_history_to_ipython(ns, hidden, process.get("output_history"))

@@ -135,6 +135,20 @@ def test_output_history_and_prompts_match_ipykernel(kernel):
     assert [entry[2] for entry in hist["content"]["history"]] == ["6 * 7", f"print(_, Out[{n}], _{n})"]
 
 
+OUTPUTS = ["6 * 7", "'second'", "print(_, __)", "_ = 'mine'", "99", "print(_, __, ___)"]
+
+
+def test_output_history_moves_on_after_a_failover_until_a_cell_assigns_it(kernel):
+    """IPython moves ``_``, ``__``, ``___`` on with each result only while they hold what it put
+    there, by its own record (the hidden namespace). A replica that loaded them from an image (a
+    failover; on a GPU kernel any fresh cell process) had a stale record: ``_`` stopped at the
+    first result it loaded, for good."""
+    want = plain_streams([OUTPUTS[0], *OUTPUTS])
+    ok(kernel, OUTPUTS[0])
+    kill_replica(kernel, executor_id(kernel))
+    assert [streams(ok(kernel, code, timeout=60)) for code in OUTPUTS] == want[1:]
+
+
 LOGGING = [
     "import logging\nlogging.getLogger('notebook').warning('a warning, no handler set up')",
     "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s %(message)s')\n"

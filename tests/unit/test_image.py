@@ -291,3 +291,64 @@ def test_a_buffer_to_hash_instead_is_not_tracked_and_its_digest_not_vouched_for(
         assert hot_key in tracker.armed and len(tracker) == 2
     finally:
         tracker.close()
+
+
+WRAPPED = """
+import functools
+@functools.lru_cache(maxsize=None)
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+fib(20)
+fib.note = "kept"
+@functools.lru_cache(maxsize=8, typed=True)
+def sq(n):
+    return n * n
+@functools.cache
+def cube(n):
+    return n ** 3
+class Lazy:
+    @functools.cached_property
+    def heavy(self):
+        return 42
+lazy = Lazy()
+@functools.singledispatch
+def show(x):
+    return "any"
+@show.register
+def _(x: int):
+    return "int"
+class Named:
+    def __reduce__(self):
+        return "THE_ONE"  # pickled by its name, as a singleton is
+THE_ONE = Named()
+"""
+
+
+def test_functools_wrappers_of_notebook_functions_travel_by_value(monkeypatch):
+    """``@lru_cache`` pickled by its name (``__main__.fib``): another replica, or a GPU cell's
+    fresh process, could not look it up as it loaded the image, and the kernel's next cell failed.
+    ``cached_property`` (its lock, Python 3.11) and ``singledispatch`` (its weak references) did not
+    pickle at all (gpuhub/kernel/wrappers.py)."""
+    import builtins
+    import types
+
+    def notebook() -> dict:  # a kernel's namespace is its __main__ module's, as IPython makes it
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        return main.__dict__
+
+    ns = notebook()
+    exec(WRAPPED, ns)
+    cap = images.capture(ns, HIDDEN)
+    assert set(cap.failed) == {"THE_ONE"} and "pickles by its name in the notebook" in cap.failed["THE_ONE"]
+    target = notebook()  # another replica: none of these names yet
+    images.install(target, HIDDEN, images.load(cap.stream, list(cap.buffers), namespace=target))
+    fib, sq, cube = target["fib"], target["sq"], target["cube"]
+    assert fib(30) == 832040 and fib.__wrapped__.__globals__ is target and fib.note == "kept"
+    assert fib.cache_parameters() == {"maxsize": None, "typed": False}
+    assert sq.cache_parameters() == {"maxsize": 8, "typed": True} and sq(3) == 9 and cube(2) == 8
+    assert target["lazy"].heavy == 42 and "heavy" in vars(target["lazy"])
+    assert target["Lazy"]().heavy == 42
+    assert (target["show"](1), target["show"]("x")) == ("int", "any")
+    assert "THE_ONE" not in target
