@@ -562,6 +562,11 @@ class GpuhubKernel(IPythonKernel):
             if sent is not None:
                 self._warn_unreplicable(sent.failed)
                 entry = rep.store_image(sent.stream, sent.names, sent.buffers, live=False)
+            if entry is not None:
+                try:  # loaded here now, not after the commit: an image no replica can load is never committed
+                    rep.prepare_image(entry, shell.user_ns)
+                except Exception as exc:
+                    entry, reply = None, self._image_not_kept(cell, exc, reply)
         send_output_now()
         ran = time.monotonic()
         self._phases["run"] = ran - began
@@ -666,6 +671,21 @@ class GpuhubKernel(IPythonKernel):
             self._keep_spare()  # one forked before these imports would lack them
 
         loop.add_reader(fd, reported)
+
+    def _image_not_kept(self, cell: str, exc: Exception, reply: dict) -> dict:
+        """The reply for a GPU cell whose image this replica cannot load (an object whose
+        unpickling fails outside the process that made it). Committed, that image would have
+        stopped every later cell of the kernel; the cell commits none instead, so the variables
+        stay as they were before it, here and on every replica (said, as when a cell's process
+        ends before it hands them back), and its process, which holds its values, is not kept."""
+        log.error("cell %s: its namespace image cannot be loaded (%s: %s); the cell commits none",
+                  cell, type(exc).__name__, exc)
+        self._end_lingering()
+        lost = self._error_reply("CellVariablesLost", f"the cell ran, but its variables cannot be loaded back "
+                                 f"({type(exc).__name__}: {exc}); variables are as they were before this cell",
+                                 count=False)
+        lost["execution_count"] = reply.get("execution_count", lost["execution_count"])
+        return lost
 
     def _warn_unreplicable(self, failed: dict[str, str]) -> None:
         """Warn once per value that cannot travel (not again every cell while it stays)."""

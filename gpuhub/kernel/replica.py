@@ -185,6 +185,7 @@ class Replica:
         self.loaded_version = 0  # the log's image_version this replica's namespace holds
         # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
         self._image_key: tuple | None = None
+        self._prepared: tuple | None = None  # (entry, what _build made of it): see prepare_image
         self._pending_key: tuple | None = None
         self._referenced: set[str] = set()  # blobs of the images loaded or committed here
         self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
@@ -570,17 +571,32 @@ class Replica:
         copy_into(memoryview(copy), memoryview(data).cast("B"))
         return memoryview(copy)
 
-    def load_image(self, entry: ImageEntry, namespace: dict | None = None) -> dict:
-        """The ``{name: value}`` of a committed image, built on this replica's memory, for
-        ``namespace`` (notebook functions' globals, see gpuhub/kernel/image.py)."""
+    def prepare_image(self, entry: ImageEntry, namespace: dict) -> None:
+        """Build ``entry``'s values now, before it is committed (a GPU replica and its own cell's
+        image): an image this replica cannot load is found while the cell can still commit without
+        it, and the load once it is committed takes these values (:meth:`load_image`). Raises
+        what loading raised."""
+        self._prepared = None
+        self._prepared = (entry, self._build(entry, namespace))
+
+    def _build(self, entry: ImageEntry, namespace: dict | None) -> tuple[dict, list, str]:
         if entry.inline is not None:
             stream = self.sealer.open(entry.inline)
         else:
             stream = bytes(self._blob(entry.stream_digest))
         used: set[str] = set()
         buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]
-        value = images.load(stream, buffers, namespace)
-        self._image_key = (digest(stream), entry.buffers, entry.names)
+        return images.load(stream, buffers, namespace), buffers, digest(stream)
+
+    def load_image(self, entry: ImageEntry, namespace: dict | None = None) -> dict:
+        """The ``{name: value}`` of a committed image, built on this replica's memory, for
+        ``namespace`` (notebook functions' globals, see gpuhub/kernel/image.py)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == entry:
+            value, buffers, stream_digest = prepared[1]
+        else:
+            value, buffers, stream_digest = self._build(entry, namespace)
+        self._image_key = (stream_digest, entry.buffers, entry.names)
         self.resident = {}
         for (d, _), mv in zip(entry.buffers, buffers, strict=True):
             self.resident.setdefault(d, mv)

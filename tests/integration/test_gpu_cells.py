@@ -638,3 +638,34 @@ def test_a_lingering_process_ends_after_the_kernels_linger_time(make_agent):
         assert reply["status"] == "ok" and out["stdout"].strip() == "1 True", out
     finally:
         kc.stop_channels()
+
+
+FRAGILE = """import os
+def _rebuild(pid):
+    if pid != os.getpid():
+        raise RuntimeError(f"made for process {pid}")
+    return Fragile()
+class Fragile:
+    def __init__(self):
+        self.pid = os.getpid()
+    def __reduce__(self):
+        return _rebuild, (self.pid,)
+bad = Fragile()
+x = 2
+print('ran')"""
+
+
+def test_a_cell_whose_variables_no_other_process_can_load_says_so_and_the_kernel_goes_on(gpu_kernel):
+    """A value that pickles in the cell's process but cannot be unpickled anywhere else: its image,
+    once committed, stopped every later cell ("this replica could not load the kernel's
+    variables"). The replica loads the image before it commits it; this one is not committed."""
+    _, kc, _ = gpu_kernel
+    run(kc, "x = 1")
+    reply, out = run(kc, FRAGILE)
+    assert out["stdout"] == "ran\n"
+    assert reply["status"] == "error" and reply["ename"] == "CellVariablesLost", reply
+    assert "RuntimeError: made for process" in reply["evalue"] and reply["execution_count"] == 2
+    reply, out = run(kc, "print(x, 'bad' in dir())\ny = 3")
+    assert reply["status"] == "ok" and out["stdout"] == "1 False\n" and reply["execution_count"] == 3
+    reply, out = run(kc, "print(x, y)")
+    assert reply["status"] == "ok" and out["stdout"] == "1 3\n"

@@ -4,10 +4,12 @@ that stayed unused through a whole image (pushed for a cell whose commit lost)."
 
 from __future__ import annotations
 
+import pickle
 import threading
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from gpuhub.kernel import image as images
 from gpuhub.kernel.replica import Replica, Settings
@@ -71,6 +73,7 @@ def a_replica(*, cells_in_process: bool) -> Replica:
     r.store, r.resident, r.disk, r.peers = BlobStore(file_backed=True), {}, None, {}
     r.cells_in_process, r.huge_pages, r.settings, r.sealer = cells_in_process, False, Settings(), Sealer(b"k" * 32)
     r._image_key, r.loaded_version, r.state, r.key = None, 0, SimpleNamespace(image_version=1), b"k" * 32
+    r._prepared = None
     return r
 
 
@@ -122,6 +125,26 @@ def test_a_gpu_cells_value_loads_copy_on_write_from_the_file_it_was_read_into():
     assert digest(r.store.get(entry.buffers[0][0])) == entry.buffers[0][0]
 
 
+def test_an_image_prepared_before_its_commit_is_the_one_loaded_after_it_and_a_failing_one_changes_nothing():
+    """A GPU replica builds its own cell's values before it commits the image (an image no
+    process but the cell's can load is then never committed) and installs those very values after
+    the commit, not a second load of them."""
+    r = a_replica(cells_in_process=False)
+    big = np.arange(1 << 20, dtype=np.float64)
+    stream, names, handed = as_a_cells_process_sends_it(r, {"big": big})
+    entry = r.store_image(stream, names, handed, live=False)
+    r.prepare_image(entry, {})
+    built = r._prepared[1][0]
+    committed = pickle.loads(pickle.dumps(entry))  # what the log gives back: an equal copy
+    assert r.load_image(committed) is built and r._prepared is None
+    key, resident = r._image_key, r.resident
+    stream, names, handed = as_a_cells_process_sends_it(r, {"bad": Unloadable()})
+    bad = r.store_image(stream, names, handed, live=False)
+    with pytest.raises(RuntimeError, match="not here"):
+        r.prepare_image(bad, {})
+    assert (r._image_key, r.resident, r._prepared) == (key, resident, None)
+
+
 def test_code_that_writes_a_value_while_it_loads_leaves_the_stored_bytes():
     r = a_replica(cells_in_process=False)
     a = np.arange(1 << 20, dtype=np.float64)
@@ -129,3 +152,14 @@ def test_code_that_writes_a_value_while_it_loads_leaves_the_stored_bytes():
     entry = r.store_image(stream, names, handed, live=False)
     assert np.array_equal(r.load_image(entry)["h"].a, a / 2)
     assert digest(r.store.get(entry.buffers[0][0])) == entry.buffers[0][0]  # peers fetching it get a
+
+
+def _refuse_to_load():
+    raise RuntimeError("not here")
+
+
+class Unloadable:
+    """Pickles, but its unpickling raises (as a value tied to the process that made it)."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
