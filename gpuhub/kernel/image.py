@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import pickle
 import re
 import sys
@@ -232,11 +233,13 @@ class _Pickler(cloudpickle.Pickler):
         reduced = tensors.reduce_tensor(obj, self._storages) or wrappers.reduce_wrapper(obj)
         if reduced is not None:
             return reduced
-        name = wrappers.by_reference_to_the_notebook(obj)
-        if name is not None:  # an image another replica could not load: this name stays behind
-            raise pickle.PicklingError(f"a {type(obj).__name__} pickles by its name in the notebook ({name!r}), "
-                                       "which another process cannot look up as it loads the image")
-        return super().reducer_override(obj)
+        reduced = super().reducer_override(obj)
+        if reduced is NotImplemented and type(obj) not in self.dispatch_table:
+            name = wrappers.by_reference_to_the_notebook(obj)
+            if name is not None:  # an image another replica could not load: this name stays behind
+                raise pickle.PicklingError(f"a {type(obj).__name__} pickles by its name in the notebook "
+                                           f"({name!r}), which another process cannot look up as it loads the image")
+        return reduced
 
 
 def _dumps(value, take: Callable[[pickle.PickleBuffer], bool], namespace: dict | None = None) -> bytes:
@@ -262,12 +265,12 @@ def capture_process(ns: dict | None = None, hidden=None) -> dict:
     namespace being captured, and ``hidden`` IPython's hidden part of it)."""
     out = {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture()}
     if ns is not None and hidden is not None:
-        out["output_history"] = _output_history_owned(ns, hidden)
+        out["output_history"] = _output_history(ns, hidden)
     return out
 
 
 UNDERS = ("_", "__", "___")
-_NOT_THE_NOTEBOOKS = object()  # what IPython holds for an output-history name a cell assigned
+_NOT_THE_NOTEBOOKS = object()  # IPython's record for an output-history name a cell assigned itself
 
 
 def _displayhook():
@@ -279,13 +282,14 @@ def _displayhook():
     return getattr(shell, "displayhook", None) if shell is not None else None
 
 
-def _output_history_owned(ns: dict, hidden) -> list[str]:
-    """Which of ``_``, ``__``, ``___`` IPython still owns. Its displayhook moves them on with each
-    result only while each still holds what it put there, by its own record: the hidden namespace
-    (``user_ns_hidden``, IPython 8.x), else the displayhook's attributes; a cell that assigned one
-    itself stops it. A process that loads the image has a record of its own, stale: it takes this
-    on from the image (:func:`install`), else ``_`` stopped at the first result another replica,
-    or a GPU cell's fresh process, loaded."""
+def _output_history(ns: dict, hidden) -> dict:
+    """IPython's own record of ``_``, ``__``, ``___``: which of the names it still owns (it moves
+    them on with each result only while each holds what it put there, by the hidden namespace,
+    IPython 8.x, else by its displayhook's attributes; a cell that assigned one stops it), and the
+    three results its displayhook holds, as keys of ``Out`` (None: the start's ``''``, or a result
+    no longer there). A process that loads the image has a record of its own, stale: it takes this
+    on (:func:`install`), else ``_`` stopped at the first result another replica, or a GPU cell's
+    fresh process, loaded."""
     hook = _displayhook()
     owned = []
     for u in UNDERS:
@@ -294,19 +298,27 @@ def _output_history_owned(ns: dict, hidden) -> list[str]:
             record = hidden[u] if in_hidden else getattr(hook, u, _NOT_THE_NOTEBOOKS)
             if record is ns[u]:
                 owned.append(u)
-    return owned
-
-
-def _give_output_history_to_ipython(ns: dict, hidden, owned) -> None:
-    if not isinstance(owned, list) or not hasattr(hidden, "__setitem__"):
-        return
-    hook = _displayhook()
+    out = ns.get(OUT)
+    # the hook's three are the last results: looked for among Out's last entries only
+    recent = list(itertools.islice(reversed(out.items()), 8)) if isinstance(out, dict) else []
+    held = []
     for u in UNDERS:
+        value = getattr(hook, u, "")
+        held.append(next((k for k, v in recent if v is value), None))
+    return {"owned": owned, "held": held}
+
+
+def _give_output_history_to_ipython(ns: dict, hidden, history) -> None:
+    if not isinstance(history, dict) or not hasattr(hidden, "__setitem__"):
+        return
+    owned = history.get("owned") or []
+    out = ns.get(OUT) if isinstance(ns.get(OUT), dict) else {}
+    hook = _displayhook()
+    for u, key in zip(UNDERS, history.get("held") or (None,) * len(UNDERS), strict=False):
+        if hook is not None:
+            setattr(hook, u, out.get(key, "") if key is not None else "")
         if u in ns:
-            record = ns[u] if u in owned else _NOT_THE_NOTEBOOKS
-            hidden[u] = record
-            if hook is not None:
-                setattr(hook, u, record)
+            hidden[u] = ns[u] if u in owned else _NOT_THE_NOTEBOOKS
 
 
 def apply_process(process) -> None:

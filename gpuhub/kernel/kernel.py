@@ -577,6 +577,7 @@ class GpuhubKernel(IPythonKernel):
             # on (the complete may still commit: Raft keeps an entry its leader had appended).
             if self.gpus == 0:
                 rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
+            rep.drop_prepared()
             self._end_lingering()
             rep.loaded_version = -1
             shell.execution_count = rep.state.execution_count or shell.execution_count - 1
@@ -586,6 +587,7 @@ class GpuhubKernel(IPythonKernel):
                   ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self._phases.items()))
         if not won:
             # An abort committed first (this replica was cut off): take the group's state instead.
+            rep.drop_prepared()
             rep.sync_namespace(shell.user_ns, shell.user_ns_hidden, force=True)
             self._end_lingering()
             self._role = "follower"
@@ -680,6 +682,7 @@ class GpuhubKernel(IPythonKernel):
         ends before it hands them back), and its process, which holds its values, is not kept."""
         log.error("cell %s: its namespace image cannot be loaded (%s: %s); the cell commits none",
                   cell, type(exc).__name__, exc)
+        self.replica.drop_prepared()
         self._end_lingering()
         lost = self._error_reply("CellVariablesLost", f"the cell ran, but its variables cannot be loaded back "
                                  f"({type(exc).__name__}: {exc}); variables are as they were before this cell",

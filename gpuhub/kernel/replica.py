@@ -186,6 +186,7 @@ class Replica:
         # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
         self._image_key: tuple | None = None
         self._prepared: tuple | None = None  # (entry, what _build made of it): see prepare_image
+        self._preparing = False  # an image was built since the last load, maybe on resident memory
         self._pending_key: tuple | None = None
         self._referenced: set[str] = set()  # blobs of the images loaded or committed here
         self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
@@ -575,9 +576,21 @@ class Replica:
         """Build ``entry``'s values now, before it is committed (a GPU replica and its own cell's
         image): an image this replica cannot load is found while the cell can still commit without
         it, and the load once it is committed takes these values (:meth:`load_image`). Raises
-        what loading raised."""
+        what loading raised. If it is not installed after all, call :meth:`drop_prepared`."""
         self._prepared = None
+        self._preparing = True
         self._prepared = (entry, self._build(entry, namespace))
+
+    def drop_prepared(self) -> None:
+        """The image :meth:`prepare_image` built will not be installed (it failed, or the cell did
+        not commit it). Its values may share memory with this replica's own values (the resident
+        buffers, see :meth:`_buffer_for`), which code run as they loaded may have written: that
+        memory is given up and the namespace is loaded again, from the store, before the next cell."""
+        self._prepared = None
+        if self._preparing:
+            self._preparing = False
+            self.resident = {}
+            self.loaded_version = -1
 
     def _build(self, entry: ImageEntry, namespace: dict | None) -> tuple[dict, list, str]:
         if entry.inline is not None:
@@ -591,7 +604,7 @@ class Replica:
     def load_image(self, entry: ImageEntry, namespace: dict | None = None) -> dict:
         """The ``{name: value}`` of a committed image, built on this replica's memory, for
         ``namespace`` (notebook functions' globals, see gpuhub/kernel/image.py)."""
-        prepared, self._prepared = self._prepared, None
+        prepared, self._prepared, self._preparing = self._prepared, None, False
         if prepared is not None and prepared[0] == entry:
             value, buffers, stream_digest = prepared[1]
         else:

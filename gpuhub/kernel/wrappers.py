@@ -44,7 +44,7 @@ def reduce_wrapper(obj):
         return _lru_cached, (obj.__wrapped__, params["maxsize"], params["typed"], _own_attributes(obj, {"__wrapped__"}))
     if kind is functools.cached_property:
         return _cached_property, (obj.func, obj.attrname, obj.__doc__)
-    if kind is types.FunctionType and obj.__code__ is _SINGLEDISPATCH_CODE:
+    if kind is types.FunctionType and obj.__code__ is _SINGLEDISPATCH_CODE and _in_notebook(obj):
         registry = [(cls, impl) for cls, impl in obj.registry.items() if cls is not object]
         return _dispatcher, (obj.__wrapped__, registry, _own_attributes(obj, _DISPATCHER_ATTRIBUTES))
     return None
@@ -76,15 +76,23 @@ def _dispatcher(function, registry: list, attributes: dict):
     return dispatcher
 
 
+_MAY_BE_NAMED: dict[type, bool] = {}  # per type: may an instance pickle by a notebook name?
+
+
 def by_reference_to_the_notebook(obj) -> str | None:
     """The notebook name ``obj`` would pickle by (another replica could not load it), else None.
-    Classes and functions are not asked (cloudpickle sends those by value), nor instances of
-    notebook classes that keep object's own ``__reduce__`` (pickled by value with their class)."""
-    if isinstance(obj, type) or type(obj) is types.FunctionType or not _in_notebook(obj):
-        return None
+    Asked only of what neither cloudpickle nor pickle reduces by value. Only instances that have a
+    ``__dict__`` of their own can name the notebook as their module while their type does not
+    (functools.update_wrapper copies a wrapped function's ``__module__`` there), so other types are
+    never asked again (:data:`_MAY_BE_NAMED`); instances of notebook classes are not asked either
+    (they pickle by value, a ``__reduce__`` returning a name aside: not seen in notebooks)."""
     kind = type(obj)
-    if (getattr(kind, "__module__", None) == "__main__" and kind.__reduce_ex__ is object.__reduce_ex__
-            and kind.__reduce__ is object.__reduce__):
+    may = _MAY_BE_NAMED.get(kind)
+    if may is None:
+        may = _MAY_BE_NAMED[kind] = (getattr(kind, "__dictoffset__", 0) != 0
+                                     and getattr(kind, "__module__", None) != "__main__"
+                                     and not isinstance(obj, type))
+    if not may or not _in_notebook(obj):
         return None
     try:
         reduced = obj.__reduce_ex__(5)

@@ -135,7 +135,8 @@ def test_output_history_and_prompts_match_ipykernel(kernel):
     assert [entry[2] for entry in hist["content"]["history"]] == ["6 * 7", f"print(_, Out[{n}], _{n})"]
 
 
-OUTPUTS = ["6 * 7", "'second'", "print(_, __)", "_ = 'mine'", "99", "print(_, __, ___)"]
+OUTPUTS = ["6 * 7", "'second'", "print(_, __)", "_ = 'mine'", "99", "print(_, __, ___)", "del _", "5",
+           "print(_, __, ___)"]
 
 
 def test_output_history_moves_on_after_a_failover_until_a_cell_assigns_it(kernel):

@@ -3,6 +3,7 @@ and load, as they do in a plain kernel's namespace (gpuhub/kernel/image.py)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -317,11 +318,30 @@ def show(x):
 @show.register
 def _(x: int):
     return "int"
-class Named:
-    def __reduce__(self):
-        return "THE_ONE"  # pickled by its name, as a singleton is
-THE_ONE = Named()
+import typing
+T = typing.TypeVar("T")
+class Box(typing.Generic[T]):
+    def __init__(self, v: T):
+        self.v = v
+box = Box(1)
 """
+
+
+@functools.singledispatch
+def library_dispatch(x):  # a library's: it stays the library's (pickled by reference)
+    return "library"
+
+
+class _Registered:
+    """A library's object standing for a notebook function, as decorators that copy the
+    function's ``__module__`` onto themselves make them, pickled by that function's name."""
+
+    def __init__(self, name: str) -> None:
+        self.__module__ = "__main__"
+        self.name = name
+
+    def __reduce__(self):
+        return self.name
 
 
 def test_functools_wrappers_of_notebook_functions_travel_by_value(monkeypatch):
@@ -340,6 +360,8 @@ def test_functools_wrappers_of_notebook_functions_travel_by_value(monkeypatch):
 
     ns = notebook()
     exec(WRAPPED, ns)
+    ns["THE_ONE"] = _Registered("THE_ONE")
+    ns["dispatch"] = library_dispatch
     cap = images.capture(ns, HIDDEN)
     assert set(cap.failed) == {"THE_ONE"} and "pickles by its name in the notebook" in cap.failed["THE_ONE"]
     target = notebook()  # another replica: none of these names yet
@@ -351,4 +373,5 @@ def test_functools_wrappers_of_notebook_functions_travel_by_value(monkeypatch):
     assert target["lazy"].heavy == 42 and "heavy" in vars(target["lazy"])
     assert target["Lazy"]().heavy == 42
     assert (target["show"](1), target["show"]("x")) == ("int", "any")
-    assert "THE_ONE" not in target
+    assert "THE_ONE" not in target and target["dispatch"] is library_dispatch
+    assert target["box"].v == 1 and type(target["box"]) is target["Box"] and target["T"].__name__ == "T"

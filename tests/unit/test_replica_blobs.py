@@ -73,7 +73,7 @@ def a_replica(*, cells_in_process: bool) -> Replica:
     r.store, r.resident, r.disk, r.peers = BlobStore(file_backed=True), {}, None, {}
     r.cells_in_process, r.huge_pages, r.settings, r.sealer = cells_in_process, False, Settings(), Sealer(b"k" * 32)
     r._image_key, r.loaded_version, r.state, r.key = None, 0, SimpleNamespace(image_version=1), b"k" * 32
-    r._prepared = None
+    r._prepared, r._preparing = None, False
     return r
 
 
@@ -143,6 +143,10 @@ def test_an_image_prepared_before_its_commit_is_the_one_loaded_after_it_and_a_fa
     with pytest.raises(RuntimeError, match="not here"):
         r.prepare_image(bad, {})
     assert (r._image_key, r.resident, r._prepared) == (key, resident, None)
+    # the values built may have shared the resident memory (and written it as they loaded): it is
+    # given up, and the namespace loaded again before the next cell
+    r.drop_prepared()
+    assert r.resident == {} and r.loaded_version == -1
 
 
 def test_code_that_writes_a_value_while_it_loads_leaves_the_stored_bytes():
