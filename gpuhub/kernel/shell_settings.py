@@ -40,6 +40,7 @@ import logging
 import re
 import sys
 import warnings
+import weakref
 
 from gpuhub.kernel.quiet import silenced
 
@@ -64,7 +65,7 @@ def take_baseline() -> None:
     kernel calls it as it is built): an image carries each only once a cell changed it, so an
     unchanged namespace gives an unchanged image."""
     global _baseline_filters, _baseline_logging, _baseline_levels, _baseline_path, _baseline_config
-    global _baseline_options, _baseline_recursion
+    global _baseline_options, _baseline_recursion, _options_read, _options_applied
     _baseline_filters = _filters()
     _baseline_levels = _logger_levels()
     _baseline_logging = _logging()
@@ -73,6 +74,7 @@ def take_baseline() -> None:
     _baseline_config = _config()
     _trait_names.clear()
     _baseline_options = _options()
+    _options_read = _options_applied = None
 
 
 def defer_code(on: bool = True) -> None:
@@ -229,6 +231,57 @@ def _configurables(shell, first: bool = False):
         yield obj, cls, names
 
 
+class _OptionsWatch:
+    """Tells when a carried option of the shell's objects may have changed since it was last read,
+    so that an unchanged process reads none of them (about 100 traits, a descriptor call each):
+    traitlets reports every set to its observers, and a class attribute that hides a trait
+    (``InteractiveShell.ast_node_interactivity = "all"``) is looked for where it would be. Not
+    seen: a list or dict option changed in place (``.append`` on it), as rare as it is odd."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.ids: tuple = ()  # of the shell's configurables when last looked at
+        self.watched: weakref.WeakSet = weakref.WeakSet()
+        # class -> (names, what its __dict__ held for them when first seen: the trait where the
+        # class defines it, None where a subclass of the defining class must not shadow it)
+        self.classes: dict[type, tuple[tuple[str, ...], tuple]] = {}
+
+    def _changed(self, change) -> None:
+        self.version += 1
+
+    def _learn(self, kind: type, names) -> None:
+        wanted: dict[type, dict[str, object]] = {}
+        for name in names:
+            for klass in kind.__mro__:
+                found = klass.__dict__.get(name)
+                wanted.setdefault(klass, {})[name] = found
+                if found is not None:
+                    break
+        for klass, entries in wanted.items():
+            have = dict(zip(*self.classes[klass], strict=True)) if klass in self.classes else {}
+            have.update(entries)
+            self.classes[klass] = (tuple(have), tuple(have.values()))
+
+    def token(self, shell) -> tuple:
+        """Equal to an earlier token exactly when no carried option can have changed in between."""
+        ids = tuple(map(id, shell.configurables))
+        if ids != self.ids:
+            self.ids = ids
+            for obj, _, names in _configurables(shell):
+                if obj not in self.watched:
+                    self.watched.add(obj)
+                    obj.observe(self._changed, names=list(names))
+                    self._learn(type(obj), names)
+        shadowed = tuple(now for klass, (names, then) in self.classes.items()
+                         if (now := tuple(map(klass.__dict__.get, names))) != then)
+        return self.version, ids, tuple(map(id, (v for t in shadowed for v in t)))
+
+
+_watch = _OptionsWatch()
+_options_read: tuple | None = None  # (token, what _option_changes found then)
+_options_applied: tuple | None = None  # (the options wanted, token once set): see _apply_options
+
+
 def _options() -> dict | None:
     """The options of the shell's objects at the kernel's start, {class: {name: value}}, plain
     values only (the baseline of :func:`_option_changes`)."""
@@ -249,9 +302,13 @@ def _options() -> dict | None:
 def _option_changes() -> dict | None:
     """The options of the shell's objects that differ from the kernel's start: what ``%config`` set
     on them, and what a cell set directly (``get_ipython().ast_node_interactivity = "all"``)."""
+    global _options_read
     shell = _shell()
     if shell is None or _baseline_options is None:
         return None
+    token = _watch.token(shell)
+    if _options_read is not None and _options_read[0] == token:
+        return _options_read[1]
     out: dict = {}
     for obj, cls, names in _configurables(shell):
         base = _baseline_options.get(cls, {})
@@ -265,6 +322,7 @@ def _option_changes() -> dict | None:
                 continue
             if value != base.get(name, _MISSING):
                 out.setdefault(cls, {})[name] = value
+    _options_read = (token, out or None)
     return out or None
 
 
@@ -324,9 +382,12 @@ def _apply_config(wanted: dict) -> None:
 def _apply_options(wanted: dict) -> None:
     """Make every carried option of the shell's objects what ``wanted`` says, or its value at the
     kernel's start where ``wanted`` does not list it (after %config's path: this decides)."""
+    global _options_applied
     shell = _shell()
     if shell is None or _baseline_options is None:
         return
+    if _options_applied is not None and _options_applied == (wanted, _watch.token(shell)):
+        return  # set as wanted already, and nothing changed since
     for obj, cls, names in _configurables(shell):
         start, want = _baseline_options.get(cls, {}), wanted.get(cls) or {}
         for name in names:
@@ -338,6 +399,7 @@ def _apply_options(wanted: dict) -> None:
                     setattr(obj, name, value)
             except Exception as exc:  # an option this IPython lacks or validates otherwise
                 _refuse(f"{cls}.{name}", exc)
+    _options_applied = (wanted, _watch.token(shell))
 
 
 # ------------------------------------------------------------------ the module search path
@@ -456,12 +518,29 @@ OWN_LOGGERS = ("gpuhub", "pysyncobj")
 """The loggers of the replica's own machinery, gpuhub's and its Raft library's: each replica's."""
 
 
+_LEVELS_READ = object()  # a key of the root logger's level cache, see _logger_levels
+_levels_read: tuple | None = None  # (how many loggers there were, their levels)
+
+
 def _logger_levels() -> dict[str, int]:
     """The levels set on named loggers (``logging.getLogger("transformers").setLevel(logging.ERROR)``,
-    what ``transformers.logging.set_verbosity_error()`` does), the replica's own excepted."""
-    return {name: logger.level for name, logger in list(logging.Logger.manager.loggerDict.items())
-            if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
-            and not any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)}
+    what ``transformers.logging.set_verbosity_error()`` does), the replica's own excepted. Read
+    again only when a level may have changed: ``Logger.setLevel`` clears every logger's level
+    cache, the root's too, and so the mark this leaves there (a level assigned to ``.level``
+    directly is not seen until then)."""
+    global _levels_read
+    loggers = logging.Logger.manager.loggerDict
+    cache = getattr(logging.root, "_cache", None)
+    if _levels_read is not None and _levels_read[0] == len(loggers) and isinstance(cache, dict) \
+            and _LEVELS_READ in cache:
+        return _levels_read[1]
+    levels = {name: logger.level for name, logger in list(loggers.items())
+              if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
+              and not any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)}
+    _levels_read = (len(loggers), levels)
+    if isinstance(cache, dict):
+        cache[_LEVELS_READ] = True
+    return levels
 
 
 def _logging() -> dict:

@@ -129,3 +129,27 @@ state = shell_settings.capture()
 print(state["config"])
 """)
     assert out.splitlines()[0] == "{'InteractiveShell': {'ast_node_interactivity': 'all'}}"
+
+
+def test_an_unchanged_shell_is_not_read_again_and_every_change_is_still_seen():
+    """Every image reads the options of IPython's objects and the loggers' levels only when
+    something may have changed (gpuhub/kernel/shell_settings.py: _OptionsWatch, _logger_levels)."""
+    out = _in_a_shell("""
+import logging
+options = lambda: (shell_settings.capture().get("options") or {}).get("InteractiveShell", {})
+levels = lambda: shell_settings.capture().get("logging", {}).get("levels")
+assert options() == {} and levels() is None
+first = shell_settings._options_read
+assert options() == {} and shell_settings._options_read is first  # not read again
+shell.autoindent = not shell.autoindent  # a set: traitlets tells its observers
+print(sorted(options()))
+InteractiveShell.ast_node_interactivity = "all"  # a class attribute hiding the trait: no observer
+print(options()["ast_node_interactivity"])
+InteractiveShell.ast_node_interactivity = "none"
+print(options()["ast_node_interactivity"])
+logging.getLogger("gh.lib").setLevel(logging.ERROR)
+print(levels())
+logging.getLogger("gh.lib").setLevel(logging.INFO)
+print(levels())
+""")
+    assert out.splitlines() == ["['autoindent']", "all", "none", "[['gh.lib', 40]]", "[['gh.lib', 20]]"]
