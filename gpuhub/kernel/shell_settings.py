@@ -75,6 +75,9 @@ def take_baseline() -> None:
     _trait_names.clear()
     _baseline_options = _options()
     _options_read = _options_applied = None
+    shell = _shell()
+    if shell is not None:
+        _watch.token(shell)  # learns the classes now, before any cell could hide a trait
 
 
 def defer_code(on: bool = True) -> None:
@@ -234,36 +237,42 @@ def _configurables(shell, first: bool = False):
 class _OptionsWatch:
     """Tells when a carried option of the shell's objects may have changed since it was last read,
     so that an unchanged process reads none of them (about 100 traits, a descriptor call each):
-    traitlets reports every set to its observers, and a class attribute that hides a trait
-    (``InteractiveShell.ast_node_interactivity = "all"``) is looked for where it would be. Not
-    seen: a list or dict option changed in place (``.append`` on it), as rare as it is odd."""
+    traitlets reports every set to its observers. A class attribute that hides a trait
+    (``InteractiveShell.ast_node_interactivity = "all"``) is looked for where it would be; while
+    one does, nothing is taken as unchanged (a set then lands in the object's ``__dict__``, which
+    nobody reports). Not seen: a list or dict option changed in place (``.append`` on it), as rare
+    as it is odd."""
 
     def __init__(self) -> None:
         self.version = 0
         self.ids: tuple = ()  # of the shell's configurables when last looked at
         self.watched: weakref.WeakSet = weakref.WeakSet()
-        # class -> (names, what its __dict__ held for them when first seen: the trait where the
-        # class defines it, None where a subclass of the defining class must not shadow it)
+        # class -> (names, what its __dict__ holds for them unhidden: the trait where the class
+        # defines it, None where the class is a subclass of the one that does)
         self.classes: dict[type, tuple[tuple[str, ...], tuple]] = {}
 
     def _changed(self, change) -> None:
         self.version += 1
 
     def _learn(self, kind: type, names) -> None:
+        from traitlets import TraitType
+
         wanted: dict[type, dict[str, object]] = {}
         for name in names:
             for klass in kind.__mro__:
                 found = klass.__dict__.get(name)
-                wanted.setdefault(klass, {})[name] = found
-                if found is not None:
+                if isinstance(found, TraitType):
+                    wanted.setdefault(klass, {})[name] = found
                     break
+                wanted.setdefault(klass, {})[name] = None  # (a hiding attribute, if any: not the usual state)
         for klass, entries in wanted.items():
             have = dict(zip(*self.classes[klass], strict=True)) if klass in self.classes else {}
             have.update(entries)
             self.classes[klass] = (tuple(have), tuple(have.values()))
 
-    def token(self, shell) -> tuple:
-        """Equal to an earlier token exactly when no carried option can have changed in between."""
+    def token(self, shell) -> tuple | None:
+        """Equal to an earlier token exactly when no carried option can have changed in between;
+        None when that cannot be told (a class attribute hides a trait)."""
         ids = tuple(map(id, shell.configurables))
         if ids != self.ids:
             self.ids = ids
@@ -272,9 +281,10 @@ class _OptionsWatch:
                     self.watched.add(obj)
                     obj.observe(self._changed, names=list(names))
                     self._learn(type(obj), names)
-        shadowed = tuple(now for klass, (names, then) in self.classes.items()
-                         if (now := tuple(map(klass.__dict__.get, names))) != then)
-        return self.version, ids, tuple(map(id, (v for t in shadowed for v in t)))
+        for klass, (names, unhidden) in self.classes.items():
+            if tuple(map(klass.__dict__.get, names)) != unhidden:
+                return None
+        return self.version, ids
 
 
 _watch = _OptionsWatch()
@@ -307,7 +317,7 @@ def _option_changes() -> dict | None:
     if shell is None or _baseline_options is None:
         return None
     token = _watch.token(shell)
-    if _options_read is not None and _options_read[0] == token:
+    if token is not None and _options_read is not None and _options_read[0] == token:
         return _options_read[1]
     out: dict = {}
     for obj, cls, names in _configurables(shell):
@@ -386,7 +396,8 @@ def _apply_options(wanted: dict) -> None:
     shell = _shell()
     if shell is None or _baseline_options is None:
         return
-    if _options_applied is not None and _options_applied == (wanted, _watch.token(shell)):
+    token = _watch.token(shell)
+    if token is not None and _options_applied is not None and _options_applied == (wanted, token):
         return  # set as wanted already, and nothing changed since
     for obj, cls, names in _configurables(shell):
         start, want = _baseline_options.get(cls, {}), wanted.get(cls) or {}
@@ -534,12 +545,12 @@ def _logger_levels() -> dict[str, int]:
     if _levels_read is not None and _levels_read[0] == len(loggers) and isinstance(cache, dict) \
             and _LEVELS_READ in cache:
         return _levels_read[1]
+    if isinstance(cache, dict):
+        cache[_LEVELS_READ] = True  # before the read: a setLevel during it clears the mark
     levels = {name: logger.level for name, logger in list(loggers.items())
               if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
               and not any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)}
     _levels_read = (len(loggers), levels)
-    if isinstance(cache, dict):
-        cache[_LEVELS_READ] = True
     return levels
 
 

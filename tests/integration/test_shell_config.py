@@ -147,9 +147,11 @@ InteractiveShell.ast_node_interactivity = "all"  # a class attribute hiding the 
 print(options()["ast_node_interactivity"])
 InteractiveShell.ast_node_interactivity = "none"
 print(options()["ast_node_interactivity"])
+shell.ast_node_interactivity = "last"  # with the trait hidden, a set lands in the object's __dict__ unreported
+print(options().get("ast_node_interactivity"))
 logging.getLogger("gh.lib").setLevel(logging.ERROR)
 print(levels())
 logging.getLogger("gh.lib").setLevel(logging.INFO)
 print(levels())
 """)
-    assert out.splitlines() == ["['autoindent']", "all", "none", "[['gh.lib', 40]]", "[['gh.lib', 20]]"]
+    assert out.splitlines() == ["['autoindent']", "all", "none", "None", "[['gh.lib', 40]]", "[['gh.lib', 20]]"]
