@@ -562,12 +562,12 @@ class GpuhubKernel(IPythonKernel):
             if sent is not None:
                 self._warn_unreplicable(sent.failed)
                 entry = rep.store_image(sent.stream, sent.names, sent.buffers, live=False)
-            if entry is not None:
-                try:  # loaded here now, not after the commit: an image no replica can load is never committed
-                    rep.prepare_image(entry, shell.user_ns)
-                except Exception as exc:
-                    entry, reply = None, self._image_not_kept(cell, exc, reply)
         send_output_now()
+        if self.gpus > 0 and entry is not None:
+            try:  # loaded here now, not after the commit: an image no replica can load is never committed
+                rep.prepare_image(entry, shell.user_ns)
+            except Exception as exc:
+                entry, reply = None, self._image_not_kept(cell, exc, reply)
         ran = time.monotonic()
         self._phases["run"] = ran - began
         try:

@@ -336,12 +336,13 @@ def _option_changes() -> dict | None:
     return out or None
 
 
-def _changes(now: dict | None, base: dict | None) -> dict | None:
-    """The entries of ``now`` ({section: {name: value}}) that differ from ``base``."""
-    base = base or {}
+def _config_changes() -> dict | None:
+    """The entries of the shell's configuration that differ from the kernel's start: what
+    ``%config`` set."""
+    base = _baseline_config or {}
     changed = {section: {name: value for name, value in entries.items()
                          if base.get(section, {}).get(name, _MISSING) != value}
-               for section, entries in sorted((now or {}).items())}
+               for section, entries in sorted((_config() or {}).items())}
     return {section: entries for section, entries in changed.items() if entries} or None
 
 
@@ -569,10 +570,11 @@ def _logging() -> dict:
 
 
 def _apply_logging(wanted: dict) -> None:
-    if _logging() == wanted:
+    now = _logging()
+    if now == wanted:
         return
     root = logging.getLogger()
-    if wanted.get("handlers") != _logging()["handlers"] or wanted.get("level") != root.level:
+    if wanted.get("handlers") != now["handlers"] or wanted.get("level") != root.level:
         for handler in [h for h in root.handlers if _describe(h) is not None]:
             root.removeHandler(handler)
         for stream, level, fmt, datefmt, style in wanted["handlers"]:
@@ -780,7 +782,7 @@ def capture() -> dict:
         out["path"] = _path_change(_baseline_path, [p for p in sys.path if isinstance(p, str)])
     if _baseline_recursion is not None and sys.getrecursionlimit() != _baseline_recursion:
         out["recursion_limit"] = sys.getrecursionlimit()  # sys.setrecursionlimit(5000)
-    for name, changes in (("config", lambda: _changes(_config(), _baseline_config)), ("options", _option_changes)):
+    for name, changes in (("config", _config_changes), ("options", _option_changes)):
         try:
             value = changes()
         except Exception as exc:  # a shell whose config is not a traitlets Config
