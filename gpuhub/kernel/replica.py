@@ -248,7 +248,7 @@ class Replica:
         """Have the disk keep the large values of the last committed image, and only those."""
         if self.disk is not None:
             image = self.state.image
-            self.disk.persist(image.blob_digests() if image is not None else set())
+            self.disk.persist(image.blob_digests() if image is not None else set(), self.state.image_version)
 
     def other_blob_addrs(self) -> list[str]:
         return [p.blob for p in self.peers.values() if p.id != self.id]

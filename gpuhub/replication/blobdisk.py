@@ -16,7 +16,11 @@ where it was before: in the replicas' memory.
 
 Until :meth:`BlobDisk.start` (the replica has caught up with its group), nothing is written or
 removed: while the journal is replayed, older images are applied one by one, and the files of the
-newest must not be taken for leftovers.
+newest must not be taken for leftovers. "Caught up" can still be behind what the disk holds: Raft
+saves its commit index once a second, so a replica killed within a second of a commit restarts,
+and may be reported ready, with the image before it. The disk therefore records the version of
+the image it follows (``image-version``, written before any file of an older image is removed)
+and takes no order from an older one: its files stay until the replica's state reaches them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 KEEP_FREE = 0.10  # of the filesystem, left for the Raft journals (a full disk stops a replica) ...
 KEEP_FREE_CAP = 2 << 30  # ... but never more than this: journals are small, and 10% of a big shared disk is not
 RETRY_S = 5.0  # a value not yet in the store (still arriving from the executor) is tried again after this
+VERSION_FILE = "image-version"  # the version (KernelLog.image_version) of the image the files are for
 
 
 def keep_free(disk_bytes: int) -> int:
@@ -54,7 +59,10 @@ class BlobDisk:
         for name in os.listdir(directory):  # what an interrupted write left
             if name.endswith(".part"):
                 os.unlink(os.path.join(directory, name))
-        self._wanted: set[str] | None = None  # the digests of the last committed image
+        # (version, digests) of the last committed image the replica applied
+        self._wanted: tuple[int, set[str]] | None = None
+        self._floor = self._read_version()  # the files here are for an image of this version at most
+        self._handled: tuple[int, set[str]] | None = None  # the last order done
         self._started = False
         self._stopping = False
         self._failed_once = False
@@ -67,11 +75,11 @@ class BlobDisk:
         return os.path.join(self.directory, d)
 
     # --- the replica's side ------------------------------------------------------------------------
-    def persist(self, digests: set[str]) -> None:
-        """The last committed image needs these values: keep them on disk, and only them. Cheap
-        (pysyncobj's thread calls it after each cell)."""
+    def persist(self, digests: set[str], version: int) -> None:
+        """The last committed image (``version``: its KernelLog.image_version) needs these values:
+        keep them on disk, and only them. Cheap (pysyncobj's thread calls it after each cell)."""
         with self._changed:
-            self._wanted = set(digests)
+            self._wanted = (version, set(digests))
             self._changed.notify_all()
 
     def start(self) -> None:
@@ -101,30 +109,51 @@ class BlobDisk:
         return memoryview(data)
 
     def on_disk(self) -> set[str]:
+        """The digests of the values written here (whole files only)."""
         try:
-            return {n for n in os.listdir(self.directory) if not n.endswith(".part")}
+            return {n for n in os.listdir(self.directory) if DIGEST_HEX.fullmatch(n)}
         except OSError:
             return set()
 
+    def _read_version(self) -> int:
+        try:
+            with open(os.path.join(self.directory, VERSION_FILE)) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return 0  # none yet (or unreadable): no image is older than the files
+
     # --- the writer thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        done: set[str] | None = None
         while True:
             with self._changed:
-                while not self._stopping and (self._wanted is None or self._wanted == done):
+                while not self._stopping and (self._wanted is None or self._wanted == self._handled):
                     self._changed.wait()
                 if self._stopping:
                     return
-                wanted = set(self._wanted)
-            missing = self._sync(wanted)
-            done = wanted if not missing else None
-            if missing:
-                with self._changed:
+                version, wanted = order = self._wanted[0], set(self._wanted[1])
+            # An image older than the files: the replica's state is still catching up.
+            missing = self._sync(version, wanted) if version >= self._floor else set()
+            with self._changed:
+                if missing:
                     self._changed.wait(RETRY_S)
+                else:
+                    self._handled = order
+                    self._changed.notify_all()
 
-    def _sync(self, wanted: set[str]) -> set[str]:
-        """Write what ``wanted`` lacks on disk, remove the rest; the digests not in the store yet."""
+    def wait_handled(self, timeout_s: float) -> bool:
+        """Until the last :meth:`persist` is handled: its values written and the others removed,
+        or the order ignored as older than the files."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._wanted == self._handled, timeout_s)
+
+    def _sync(self, version: int, wanted: set[str]) -> set[str]:
+        """Write what ``wanted`` lacks on disk, remove the rest; the digests not written yet (not
+        in the store yet, or the version could not be recorded: tried again later)."""
         present = self.on_disk()
+        if (wanted != present and version > self._floor
+                and not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode())):
+            return wanted - present
+        self._floor = max(self._floor, version)
         missing = set()
         for d in sorted(wanted - present):
             data = self.store.get(d)
@@ -150,12 +179,15 @@ class BlobDisk:
         return st.f_bavail * st.f_frsize - nbytes >= keep_free(st.f_blocks * st.f_frsize)
 
     def _write(self, d: str, data) -> None:
-        final = self.path(d)
-        part = final + ".part"
         if not self._room_for(memoryview(data).nbytes):
             self._failed(f"{memoryview(data).nbytes} bytes would leave less free than the Raft journals keep "
                          f"({KEEP_FREE:.0%} of the disk, at most {KEEP_FREE_CAP >> 30} GiB)")
             return
+        self._write_whole(self.path(d), data)
+
+    def _write_whole(self, final: str, data) -> bool:
+        """Write ``final`` whole or not at all (a ``.part`` file, flushed to disk, then renamed)."""
+        part = final + ".part"
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -174,6 +206,8 @@ class BlobDisk:
             except OSError:
                 pass
             self._failed(str(exc))
+            return False
+        return True
 
     def _failed(self, why: str) -> None:
         if not self._failed_once:  # once: a full disk would say so after every cell

@@ -6,12 +6,13 @@ systemd's Restart=) came back with a journal naming values no one held."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 
 import pytest
 
-from gpuhub.replication.blobdisk import keep_free
+from gpuhub.replication.blobdisk import DIGEST_HEX, keep_free
 from tests.helpers import wait_for
 from tests.integration.test_replicated import (
     _restartable,
@@ -24,14 +25,42 @@ from tests.integration.test_replicated import (
 )
 
 
+def journal_dir(kernel, rid: int):
+    replica = kernel.replica(rid)
+    return kernel.cluster.agent(replica["node"]).dir / "state" / "journals" / replica["unit"]
+
+
 def blob_files(kernel, rid: int) -> set[str]:
     """The large values replica ``rid`` keeps on disk, by digest."""
-    replica = kernel.replica(rid)
-    journal = kernel.cluster.agent(replica["node"]).dir / "state" / "journals" / replica["unit"] / "blobs"
     try:
-        return {name for name in os.listdir(journal) if not name.endswith(".part")}
+        return {name for name in os.listdir(journal_dir(kernel, rid) / "blobs") if DIGEST_HEX.fullmatch(name)}
     except FileNotFoundError:
         return set()
+
+
+def files_as_they_are(kernel, rid: int) -> dict[str, tuple[int, int]]:
+    """Replica ``rid``'s files of large values, each with its inode and time of writing: the same
+    only if it was never removed and written again."""
+    blobs = journal_dir(kernel, rid) / "blobs"
+    return {d: (st.st_ino, st.st_mtime_ns) for d in blob_files(kernel, rid) for st in [os.stat(blobs / d)]}
+
+
+def saved_commit_index(kernel, rid: int) -> int:
+    """The commit index replica ``rid``'s Raft journal has on disk (pysyncobj saves it once a second;
+    before its first save, a journal starts from 1)."""
+    try:
+        return pickle.loads((journal_dir(kernel, rid) / "raft.journal.meta").read_bytes())["raftCommitIndex"]
+    except FileNotFoundError:
+        return 1
+
+
+def set_saved_commit_index(kernel, rid: int, index: int) -> None:
+    """What a kill within a second of a commit leaves: the journal holds the entries, but the
+    commit index saved beside them is the one before (the term and vote are saved at once)."""
+    path = journal_dir(kernel, rid) / "raft.journal.meta"
+    meta = pickle.loads(path.read_bytes())
+    meta["raftCommitIndex"] = index
+    path.write_bytes(pickle.dumps(meta))
 
 
 def require_room_for_blobs(directory, nbytes: int) -> None:
@@ -45,13 +74,16 @@ def require_room_for_blobs(directory, nbytes: int) -> None:
                     f"(replicas keep large values on disk only while that much stays free): free some disk")
 
 
-def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_kernel):  # noqa: F811
+@pytest.mark.parametrize("killed", ["later", "within-a-second-of-the-commit"])
+def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_kernel, killed):  # noqa: F811
     kernel = cpu_kernel
     require_room_for_blobs(kernel.cluster.tmp, 2_000_000 * 8)
-    ok(kernel, "import numpy as np\nbig = np.arange(2_000_000) * 3\nsmall = list(range(10))\nx = 1")
     rids = [r["id"] for r in kernel.record["replicas"]]
+    before = {rid: saved_commit_index(kernel, rid) for rid in rids}
+    ok(kernel, "import numpy as np\nbig = np.arange(2_000_000) * 3\nsmall = list(range(10))\nx = 1")
     # After the cell, each replica writes the image's large values to disk (not on the cell's path).
     wait_for(lambda: all(blob_files(kernel, rid) for rid in rids), 60, "every replica's large values on disk")
+    kept = {rid: files_as_they_are(kernel, rid) for rid in rids}
 
     # Each replica's process is killed and started again at once, as systemd's Restart= does (same
     # command, ports and journal; its pid file tells the agent): none has the values in memory.
@@ -61,6 +93,8 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
             pid = kernel.pid(rid)
             cmd, env, cwd = _restartable(pid)
             os.kill(pid, signal.SIGKILL)
+            if killed != "later":  # each comes back at first with the state before the cell
+                set_saved_commit_index(kernel, rid, before[rid])
             replica = kernel.replica(rid)
             with open(kernel.cluster.tmp / f"restarted-r{rid}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, stdout=log,
@@ -76,6 +110,8 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
         view = eventually(lambda: assert_equal_namespaces(kernel, ["x", "big", "small"], tuple(rids)), 60,
                           "every replica's namespace to hold the values again")
         assert " ".join(view["big"].split()).startswith("[ 0 3 6"), view
+        # No replica took the image it came back with for a reason to remove the newer one's files.
+        assert {rid: files_as_they_are(kernel, rid) for rid in rids} == kept
     finally:
         for p in procs:
             p.kill()

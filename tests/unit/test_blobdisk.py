@@ -43,22 +43,48 @@ def disk(tmp_path, store, monkeypatch):
 def test_the_disk_follows_the_last_image_once_started(disk, store):
     first, second, third = store.values
     assert disk.on_disk() == set() and not os.listdir(disk.directory)  # the half-written file is gone
-    disk.persist({first, second})
+    disk.persist({first, second}, 1)
     assert disk.on_disk() == set()  # not before the replica has caught up (the journal is replayed)
     disk.start()
     wait_for(lambda: disk.on_disk() == {first, second}, 30, "the image's values on disk")
     assert bytes(disk.read(first)) == store.values[first]
     assert oct(os.stat(disk.path(first)).st_mode & 0o777) == "0o600"
 
-    disk.persist({second, third})  # the next cell's image
+    disk.persist({second, third}, 2)  # the next cell's image
     wait_for(lambda: disk.on_disk() == {second, third}, 30, "the old value removed, the new one written")
-    disk.persist(set())  # an empty namespace
+    disk.persist(set(), 3)  # an empty namespace
     wait_for(lambda: disk.on_disk() == set(), 30, "nothing kept")
+
+
+def test_a_restarted_replica_behind_its_files_removes_none_of_them(disk, store, tmp_path):
+    """Raft saves its commit index once a second: a replica killed within a second of a commit
+    restarts, and may be reported ready, with the image before it. That image's order must not
+    remove the newer one's values, the only copy left if every replica restarted at once."""
+    first, second, third = store.values
+    disk.persist({first, second}, 2)
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first, second}, 30, "the image's values on disk")
+    disk.stop()
+
+    again = BlobDisk(disk.directory, BlobStore())  # the restarted process: nothing in memory
+    try:
+        again.persist(set(), 1)  # the state it came back with: the image before
+        again.start()
+        assert again.wait_handled(30)
+        assert again.on_disk() == {first, second}
+        assert bytes(again.read(first)) == store.values[first]
+        again.persist({first, second}, 2)  # caught up
+        again.store.put(third, store.values[third])
+        again.persist({third}, 3)  # the next cell's image
+        wait_for(lambda: again.on_disk() == {third}, 30, "the disk following the images again")
+        assert (tmp_path / "blobs" / blobdisk.VERSION_FILE).read_text() == "3"
+    finally:
+        again.stop()
 
 
 def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
     first = next(iter(store.values))
-    disk.persist({first})
+    disk.persist({first}, 1)
     disk.start()
     wait_for(lambda: disk.on_disk() == {first}, 30, "the value on disk")
     with open(disk.path(first), "r+b") as f:
@@ -71,7 +97,7 @@ def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
 
 def test_the_copies_leave_the_journals_their_share_of_the_disk(disk, store, monkeypatch, caplog):
     monkeypatch.setattr(blobdisk, "keep_free", lambda disk_bytes: disk_bytes)  # no room at all
-    disk.persist(set(store.values))
+    disk.persist(set(store.values), 1)
     with caplog.at_level(logging.WARNING, logger="gpuhub.replication"):
         disk.start()
         wait_for(lambda: "cannot keep a large value on disk" in caplog.text, 30, "the warning")
