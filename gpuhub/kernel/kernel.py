@@ -515,8 +515,9 @@ class GpuhubKernel(IPythonKernel):
                 self._drop_warm()
             elif grant is not None:
                 self.lease_client.release(grant)
+            why = f" ({rep.load_error})" if rep.load_error else ""
             return self._ended_without_result(rep.abort(
-                cell, attempt, "stale", "this replica could not load the kernel's variables",
+                cell, attempt, "stale", f"this replica could not load the kernel's variables{why}",
                 self.shell.execution_count + 1))
         if grant is not None:  # the cell runs under it: reported to the agent when the lease goes back
             grant.waited_s = waited_s

@@ -74,6 +74,7 @@ from gpuhub.replication.sealing import Sealer
 log = logging.getLogger("gpuhub.replica")
 
 INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
+LOAD_ERROR_CHARS = 300  # of a load's exception, in the cell's error (it also enters the log)
 EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
 # the old copy is held until the new one is committed anyway)
 
@@ -183,6 +184,7 @@ class Replica:
         # in this process, since the cell may write any of it.
         self.resident: dict[str, memoryview] = {}
         self.loaded_version = 0  # the log's image_version this replica's namespace holds
+        self.load_error: str | None = None  # why the last image could not be loaded here (for the user)
         # (plain stream digest, buffers, names) of that image: an unchanged namespace is not committed
         self._image_key: tuple | None = None
         self._prepared: tuple | None = None  # (entry, what _build made of it): see prepare_image
@@ -654,7 +656,9 @@ class Replica:
             self.install_image(ns, hidden, entry)
         except Exception as exc:
             log.error("replica %d cannot load the namespace image: %s: %s", self.id, type(exc).__name__, exc)
+            self.load_error = f"{type(exc).__name__}: {exc}"[:LOAD_ERROR_CHARS]
             return False
+        self.load_error = None
         self.loaded_version = version
         self._forget_old_blobs()
         return True

@@ -15,7 +15,7 @@ from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster
 from tests.helpers import wait_for
-from tests.integration.test_gpu_cells import run
+from tests.integration.test_gpu_cells import FRAGILE, run
 from tests.integration.test_replicated import (
     ReplicatedKernel,
     executor_id,
@@ -148,6 +148,22 @@ def test_output_history_moves_on_after_a_failover_until_a_cell_assigns_it(kernel
     ok(kernel, OUTPUTS[0])
     kill_replica(kernel, executor_id(kernel))
     assert [streams(ok(kernel, code, timeout=60)) for code in OUTPUTS] == want[1:]
+
+
+def test_a_cpu_kernel_whose_variables_only_their_process_can_load_says_why_after_a_failover(cluster):
+    """A CPU kernel's executor does not load its own image (a GPU kernel's does, and keeps such a
+    cell's variables out: test_gpu_cells.py). Once it is lost, the replica elected cannot load
+    them: the user is told why, not only that it could not."""
+    kernel = ReplicatedKernel(cluster, gpus=0)
+    try:
+        ok(kernel, "x = 1")
+        assert "ran" in ok(kernel, FRAGILE)["stdout"]
+        kill_replica(kernel, executor_id(kernel))
+        reply, _ = run(kernel.kc, "print(x)", timeout=60)
+        assert reply["status"] == "error" and "could not load the kernel's variables" in reply["evalue"], reply
+        assert "RuntimeError: made for process" in reply["evalue"], reply
+    finally:
+        kernel.close()
 
 
 LOGGING = [
