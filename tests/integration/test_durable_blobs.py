@@ -47,11 +47,12 @@ def files_as_they_are(kernel, rid: int) -> dict[str, tuple[int, int]]:
 
 def saved_commit_index(kernel, rid: int) -> int:
     """The commit index replica ``rid``'s Raft journal has on disk (pysyncobj saves it once a second;
-    before its first save, a journal starts from 1)."""
+    until it first does, a journal starts from 1)."""
     try:
-        return pickle.loads((journal_dir(kernel, rid) / "raft.journal.meta").read_bytes())["raftCommitIndex"]
+        meta = pickle.loads((journal_dir(kernel, rid) / "raft.journal.meta").read_bytes())
     except FileNotFoundError:
         return 1
+    return meta.get("raftCommitIndex", 1)  # (the term and vote are saved at once, the index later)
 
 
 def set_saved_commit_index(kernel, rid: int, index: int) -> None:
