@@ -19,7 +19,7 @@ removed: while the journal is replayed, older images are applied one by one, and
 newest must not be taken for leftovers. "Caught up" can still be behind what the disk holds: Raft
 saves its commit index once a second, so a replica killed within a second of a commit restarts,
 and may be reported ready, with the image before it. The disk therefore records the version of
-the image it follows (``image-version``, written before any file of an older image is removed)
+the image it follows (``image-version``, written as the images move on, before the files change)
 and takes no order from an older one: its files stay until the replica's state reaches them.
 """
 
@@ -61,7 +61,8 @@ class BlobDisk:
                 os.unlink(os.path.join(directory, name))
         # (version, digests) of the last committed image the replica applied
         self._wanted: tuple[int, set[str]] | None = None
-        self._floor = self._read_version()  # the files here are for an image of this version at most
+        self._recorded = self._read_version()  # the files here are for an image of this version at most
+        self._floor = self._recorded  # orders for older images are ignored (the state is catching up)
         self._handled: tuple[int, set[str]] | None = None  # the last order done
         self._started = False
         self._stopping = False
@@ -132,9 +133,9 @@ class BlobDisk:
                     return
                 version, wanted = order = self._wanted[0], set(self._wanted[1])
             # An image older than the files: the replica's state is still catching up.
-            missing = self._sync(version, wanted) if version >= self._floor else set()
+            done = self._sync(version, wanted) if version >= self._floor else True
             with self._changed:
-                if missing:
+                if not done:
                     self._changed.wait(RETRY_S)
                 else:
                     self._handled = order
@@ -146,19 +147,22 @@ class BlobDisk:
         with self._changed:
             return self._changed.wait_for(lambda: self._wanted == self._handled, timeout_s)
 
-    def _sync(self, version: int, wanted: set[str]) -> set[str]:
-        """Write what ``wanted`` lacks on disk, remove the rest; the digests not written yet (not
-        in the store yet, or the version could not be recorded: tried again later)."""
+    def _sync(self, version: int, wanted: set[str]) -> bool:
+        """Write what ``wanted`` lacks on disk, remove the rest. False when not done (a value not
+        in the store yet, or the version could not be recorded): tried again later."""
         present = self.on_disk()
-        if (wanted != present and version > self._floor
-                and not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode())):
-            return wanted - present
+        # Recorded whenever it moves on, even when the files stay: orders merge while the writer is
+        # busy (5 {a}, 6 {}, 7 {a} is seen as 7 {a}), and a restart at 6 must not remove a.
+        if version > self._recorded and (present or wanted):
+            if not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode()):
+                return False
+            self._recorded = version
         self._floor = max(self._floor, version)
-        missing = set()
+        missing = False
         for d in sorted(wanted - present):
             data = self.store.get(d)
             if data is None:
-                missing.add(d)
+                missing = True
                 continue
             self._write(d, data)
             del data
@@ -167,7 +171,7 @@ class BlobDisk:
                 os.unlink(self.path(d))
             except (OSError, ValueError):
                 pass
-        return missing
+        return not missing
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more leave the journals their share of the filesystem: these copies

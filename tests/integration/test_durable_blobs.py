@@ -9,10 +9,11 @@ import os
 import pickle
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from gpuhub.replication.blobdisk import DIGEST_HEX, keep_free
+from gpuhub.replication.blobdisk import DIGEST_HEX, VERSION_FILE, keep_free
 from tests.helpers import wait_for
 from tests.integration.test_replicated import (
     _restartable,
@@ -42,7 +43,29 @@ def files_as_they_are(kernel, rid: int) -> dict[str, tuple[int, int]]:
     """Replica ``rid``'s files of large values, each with its inode and time of writing: the same
     only if it was never removed and written again."""
     blobs = journal_dir(kernel, rid) / "blobs"
-    return {d: (st.st_ino, st.st_mtime_ns) for d in blob_files(kernel, rid) for st in [os.stat(blobs / d)]}
+    files = {}
+    for d in blob_files(kernel, rid):
+        try:
+            st = os.stat(blobs / d)
+        except FileNotFoundError:  # removed since it was listed
+            continue
+        files[d] = (st.st_ino, st.st_mtime_ns)
+    return files
+
+
+def recorded_version(kernel, rid: int) -> str | None:
+    try:
+        return (journal_dir(kernel, rid) / "blobs" / VERSION_FILE).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie: it writes nothing more."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
 
 
 def saved_commit_index(kernel, rid: int) -> int:
@@ -83,7 +106,9 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
     before = {rid: saved_commit_index(kernel, rid) for rid in rids}
     ok(kernel, "import numpy as np\nbig = np.arange(2_000_000) * 3\nsmall = list(range(10))\nx = 1")
     # After the cell, each replica writes the image's large values to disk (not on the cell's path).
-    wait_for(lambda: all(blob_files(kernel, rid) for rid in rids), 60, "every replica's large values on disk")
+    wait_for(lambda: all(blob_files(kernel, rid) and recorded_version(kernel, rid) == "1" for rid in rids)
+             and len({frozenset(blob_files(kernel, rid)) for rid in rids}) == 1, 60,
+             "every replica's large values on disk")
     kept = {rid: files_as_they_are(kernel, rid) for rid in rids}
 
     # Each replica's process is killed and started again at once, as systemd's Restart= does (same
@@ -94,6 +119,7 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
             pid = kernel.pid(rid)
             cmd, env, cwd = _restartable(pid)
             os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: dead(pid), 30, f"replica {rid}'s process to end")  # (it could still save its meta)
             if killed != "later":  # each comes back at first with the state before the cell
                 set_saved_commit_index(kernel, rid, before[rid])
             replica = kernel.replica(rid)

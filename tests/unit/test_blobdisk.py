@@ -82,6 +82,44 @@ def test_a_restarted_replica_behind_its_files_removes_none_of_them(disk, store, 
         again.stop()
 
 
+def test_the_version_moves_on_with_the_images_even_when_the_files_stay(disk, store):
+    """Orders merge while the writer is busy: images 2 {a}, 3 {} and 4 {a} may reach it as 2 and
+    4. A replica restarted at 3 must still keep a, which image 4 (the committed one) needs."""
+    first = next(iter(store.values))
+    disk.persist({first}, 2)
+    disk.start()
+    assert disk.wait_handled(30) and disk.on_disk() == {first}
+    disk.persist({first}, 4)
+    assert disk.wait_handled(30)
+    disk.stop()
+
+    again = BlobDisk(disk.directory, BlobStore())
+    try:
+        again.persist(set(), 3)
+        again.start()
+        assert again.wait_handled(30)
+        assert again.on_disk() == {first}
+    finally:
+        again.stop()
+
+
+def test_a_version_that_could_not_be_recorded_is_tried_again(disk, store, monkeypatch):
+    """Nothing is removed before the version is recorded; once it can be, the order is carried out."""
+    monkeypatch.setattr(blobdisk, "RETRY_S", 0.05)
+    first, second, _ = store.values
+    disk.persist({first, second}, 1)
+    disk.start()
+    assert disk.wait_handled(30) and disk.on_disk() == {first, second}
+    blocker = os.path.join(disk.directory, blobdisk.VERSION_FILE + ".part")
+    os.mkdir(blocker)  # the version file cannot be written (as on a full disk)
+    disk.persist({first}, 2)
+    assert not disk.wait_handled(0.5)
+    assert disk.on_disk() == {first, second}
+    os.rmdir(blocker)
+    assert disk.wait_handled(30)
+    assert disk.on_disk() == {first}
+
+
 def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
     first = next(iter(store.values))
     disk.persist({first}, 1)
