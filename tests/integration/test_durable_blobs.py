@@ -119,7 +119,7 @@ def test_a_kernel_whose_replicas_all_restart_at_once_keeps_its_large_values(cpu_
             pid = kernel.pid(rid)
             cmd, env, cwd = _restartable(pid)
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: dead(pid), 30, f"replica {rid}'s process to end")  # (it could still save its meta)
+            wait_for(lambda pid=pid: dead(pid), 30, f"replica {rid}'s process to end")  # (it could still save its meta)
             if killed != "later":  # each comes back at first with the state before the cell
                 set_saved_commit_index(kernel, rid, before[rid])
             replica = kernel.replica(rid)
