@@ -10,8 +10,9 @@ that, or the kernel does not answer within ``--start-timeout``, it prints the re
 end of each one's log, which the agent keeps), stops everything and exits 1. On SIGTERM, SIGINT or
 SIGHUP everything it started is stopped; the daemons run in sessions of their own, so a Ctrl-C in
 the terminal reaches only this process, which stops the replicas through their agents first.
-When the client shuts the kernel down (``exit`` in ``jupyter console``), the scheduler forgets it
-and local-kernel ends too. It removes the connection file it wrote whichever way it ends.
+When the client shuts the kernel down (``exit`` in ``jupyter console``), local-kernel ends too, once
+no majority of the replicas runs (the rule a Jupyter server's provisioner follows). It removes the
+connection file it wrote whichever way it ends.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from jupyter_client.connect import write_connection_file
 
 from gpuhub.dev.cluster import DevCluster
 from gpuhub.platform.http_client import ApiClientError
-from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
+from gpuhub.server.readiness import (
+    KernelStartError,
+    dead_replicas,
+    majority_running,
+    replica_errors,
+    wait_until_answering,
+)
 from gpuhub.server.router import KernelRouter
 
 PROGRESS_EVERY_S = 5.0
@@ -165,16 +172,18 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def kernel_gone(cluster: DevCluster, kernel_id: str) -> None:
-    """Until the scheduler no longer has the kernel: its client shut it down, and the scheduler
-    forgot it once no replica ran any more."""
+    """Until the kernel has ended as a Jupyter server's provisioner sees it end: no majority of its
+    replicas runs (its client shut it down), or the scheduler forgot it. Not until no replica runs:
+    on a busy machine the first replica to exit was replaced before the others had, and the
+    replacement ran on, waiting for a group that was gone."""
     while True:
         await asyncio.sleep(WATCH_EVERY_S)
         try:
-            status, _ = await asyncio.to_thread(cluster.scheduler_call, "GET", f"/api/v1/kernels/{kernel_id}",
-                                                timeout=10)
+            status, view = await asyncio.to_thread(cluster.scheduler_call, "GET", f"/api/v1/kernels/{kernel_id}",
+                                                   timeout=10)
         except ApiClientError:
             continue  # a busy scheduler: asked again
-        if status == 404:
+        if status == 404 or not majority_running(view["replicas"]):
             return
 
 

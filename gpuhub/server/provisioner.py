@@ -22,7 +22,13 @@ from tornado.web import HTTPError
 from traitlets import Float, Integer, Unicode
 
 from gpuhub.platform.http_client import ApiClientError, call_json
-from gpuhub.server.readiness import KernelStartError, dead_replicas, replica_errors, wait_until_answering
+from gpuhub.server.readiness import (
+    KernelStartError,
+    dead_replicas,
+    majority_running,
+    replica_errors,
+    wait_until_answering,
+)
 from gpuhub.server.regroup import GroupFollower, routable
 from gpuhub.server.router import KernelRouter
 
@@ -181,8 +187,7 @@ class GpuhubProvisioner(KernelProvisionerBase):
             return self._last_poll[1]
         try:
             _, status = await call_json("GET", f"{self._url}/api/v1/kernels/{self.kernel_id}", self._token, timeout=10)
-            running = sum(r.get("state") in ("active", "activating", "unreachable") for r in status["replicas"])
-            result = None if running > len(status["replicas"]) // 2 else 1  # a majority keeps it working
+            result = None if majority_running(status["replicas"]) else 1
             if result is None and self._router is not None:
                 # The scheduler may have replaced a replica whose node was lost: route to the new one.
                 self._router.set_replicas(routable(status))

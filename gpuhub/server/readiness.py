@@ -17,6 +17,8 @@ from jupyter_client.asynchronous import AsyncKernelClient
 
 # Unit states of a replica that is not running (the agent's; systemd's "activating" is a restart).
 DEAD_STATES = frozenset({"failed", "inactive", "gone"})
+# ... and of one that counts as running ("unreachable": its agent did not answer, the unit may run).
+RUNNING_STATES = frozenset({"active", "activating", "unreachable"})
 
 
 class KernelStartError(RuntimeError):
@@ -42,6 +44,14 @@ def replica_errors(replicas: list[dict]) -> str:
 
 def dead_replicas(replicas: list[dict]) -> list[dict]:
     return [r for r in replicas if r.get("state") in DEAD_STATES]
+
+
+def majority_running(replicas: list[dict]) -> bool:
+    """Whether a majority of a kernel's replicas (its view's ``replicas``) runs, which keeps it
+    working. Without one the kernel has ended: its client shut it down, or it was lost. (After a
+    shutdown the scheduler may briefly replace the first replica to exit, so "none runs" may never
+    come: the rule is the majority's.)"""
+    return sum(r.get("state") in RUNNING_STATES for r in replicas) > len(replicas) // 2
 
 
 async def wait_until_answering(connection: dict, key: bytes, failure: Callable[[], Awaitable[str | None]], *,
