@@ -183,7 +183,7 @@ async def kernel_gone(cluster: DevCluster, kernel_id: str) -> None:
                                                    timeout=10)
         except ApiClientError:
             continue  # a busy scheduler: asked again
-        if status == 404 or not majority_running(view["replicas"]):
+        if status == 404 or (status == 200 and not majority_running(view["replicas"])):
             return
 
 

@@ -61,8 +61,9 @@ class BlobDisk:
                 os.unlink(os.path.join(directory, name))
         # (version, digests) of the last committed image the replica applied
         self._wanted: tuple[int, set[str]] | None = None
-        self._recorded = self._read_version()  # the files here are for an image of this version at most
-        self._floor = self._recorded  # orders for older images are ignored (the state is catching up)
+        # The files here are for an image of this version at most: orders for older images are
+        # ignored (the replica's state is catching up; within a process, versions only grow).
+        self._recorded = self._read_version()
         self._handled: tuple[int, set[str]] | None = None  # the last order done
         self._started = False
         self._stopping = False
@@ -133,7 +134,7 @@ class BlobDisk:
                     return
                 version, wanted = order = self._wanted[0], set(self._wanted[1])
             # An image older than the files: the replica's state is still catching up.
-            done = self._sync(version, wanted) if version >= self._floor else True
+            done = self._sync(version, wanted) if version >= self._recorded else True
             with self._changed:
                 if not done:
                     self._changed.wait(RETRY_S)
@@ -157,7 +158,6 @@ class BlobDisk:
             if not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode()):
                 return False
             self._recorded = version
-        self._floor = max(self._floor, version)
         missing = False
         for d in sorted(wanted - present):
             data = self.store.get(d)
