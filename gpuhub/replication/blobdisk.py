@@ -157,6 +157,10 @@ class BlobDisk:
         if version > self._recorded and (present or wanted):
             if not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode()):
                 return False
+            # The new name on disk before any removal below: after a power cut, files removed under
+            # an image version that the disk forgot would be files a restarted replica still needs.
+            if not self._sync_directory():
+                return False
             self._recorded = version
         missing = False
         for d in sorted(wanted - present):
@@ -209,6 +213,18 @@ class BlobDisk:
                 os.unlink(part)
             except OSError:
                 pass
+            self._failed(str(exc))
+            return False
+        return True
+
+    def _sync_directory(self) -> bool:
+        try:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
             self._failed(str(exc))
             return False
         return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +120,31 @@ def test_a_version_that_could_not_be_recorded_is_tried_again(disk, store, monkey
     os.rmdir(blocker)
     assert disk.wait_handled(30)
     assert disk.on_disk() == {first}
+
+
+def test_the_new_version_is_synced_to_the_directory_before_a_file_is_removed(disk, store, monkeypatch):
+    """A power cut must not leave the removals on disk without the version they were made for."""
+    first, second, _ = store.values
+    disk.persist({first, second}, 1)
+    disk.start()
+    assert disk.wait_handled(30)
+    events = []
+    fsync, unlink = os.fsync, os.unlink
+
+    def recorded_fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("directory synced", Path(disk.directory, blobdisk.VERSION_FILE).read_text()))
+        fsync(fd)
+
+    def recorded_unlink(path, *args, **kwargs):
+        events.append(("removed", os.path.basename(path)))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "unlink", recorded_unlink)
+    disk.persist({first}, 2)
+    assert disk.wait_handled(30)
+    assert events == [("directory synced", "2"), ("removed", second)]
 
 
 def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):
