@@ -225,10 +225,12 @@ class GpuhubProvisioner(KernelProvisionerBase):
         await self.kill(restart)
 
     async def cleanup(self, restart: bool = False) -> None:
+        # A kernel that exited when asked (shutdown_request) was never killed: tell the scheduler
+        # it is over, or its units and journals stay on the GPU servers. On a restart too: the
+        # kernel starts again under the same id, and the scheduler would answer that launch with
+        # the record of the replicas that just exited.
+        await self.kill()
         if not restart:
-            # A kernel that exited when asked (shutdown_request) was never killed: tell the
-            # scheduler it is over, or its units and journals stay on the GPU servers.
-            await self.kill()
             self._record = None
             if self._router is not None:
                 await self._follower.close()

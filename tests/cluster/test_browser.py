@@ -1,7 +1,7 @@
 """A user and an admin in a real browser (Debian's chromium, driven by Playwright): log in through
 the hub's form, pick the 1-GPU profile, open a notebook on the profile's kernel from JupyterLab's
-launcher, type a cell and see its output with the GPU it ran on; then Prometheus's alerts and a
-gpuhub series, as an admin opens them. Screenshots go to .cache/<cluster>/browser/."""
+launcher, type a cell and see its output with the GPU it ran on, restart the kernel from its menu;
+then Prometheus's alerts and a gpuhub series, as an admin opens them. Screenshots go to .cache/<cluster>/browser/."""
 
 from __future__ import annotations
 
@@ -92,6 +92,19 @@ def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
         assert visible in [g["uuid"] for g in node_info(cluster, host)["gpus"]], (visible, host)
         prompt = page.locator(".jp-InputArea-prompt").first.inner_text()
         assert prompt.strip() == "[1]:", prompt  # In [1] for the first cell, as with any kernel
+
+        # Kernel > Restart Kernel…: the kernel starts afresh, so the next cell is In [1] again.
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
+        page.locator(".lm-Menu-itemLabel", has_text="Restart Kernel…").click()
+        page.locator(".jp-Dialog button", has_text="Restart").click()
+        page.wait_for_selector(".jp-Dialog", state="detached")
+        page.locator(".jp-Notebook .jp-Cell .cm-content").nth(1).click()
+        page.keyboard.type("print('after the restart')")
+        page.keyboard.press("Shift+Enter")
+        page.locator(".jp-OutputArea-output", has_text="after the restart").wait_for()
+        page.screenshot(path=str(shots / "2b-after-restart.png"))
+        prompt = page.locator(".jp-InputArea-prompt").nth(1).inner_text()
+        assert prompt.strip() == "[1]:", prompt
         # No "Would you like to get notified about official Jupyter news?" (an internet fetch) for
         # every user: the notebook host's page config switches the announcements plugin off.
         disabled = page.evaluate("JSON.parse(document.getElementById('jupyter-config-data').textContent)"

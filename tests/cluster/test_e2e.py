@@ -298,7 +298,7 @@ def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
     if "second" in alice.api("GET", "/hub/api/users/alice").json().get("servers", {}):
         alice.stop_server("second")  # left by an earlier run against this cluster
     form = alice.s.get(f"{alice.base}/hub/spawn/alice/second", timeout=30).text
-    assert "pandas, scikit-learn: no GPU" in form, form[:2000]
+    assert "numpy, pandas: no GPU" in form, form[:2000]
     alice.start_server("cpu", server="second")
     try:
         specs = alice.api("GET", "/user/alice/second/api/kernelspecs").json()
@@ -317,6 +317,15 @@ def test_cell_sees_exactly_a_fake_gpu_of_its_node(cluster, alice_kernel):
     assert host in cluster.groups["gpu_nodes"], f"kernel ran on {host}, not a GPU node"
     uuids = {g["uuid"] for g in node_info(cluster, host)["gpus"]}
     assert visible in uuids, f"CUDA_VISIBLE_DEVICES={visible!r} is not one of {host}'s GPUs {sorted(uuids)}"
+
+
+def test_the_inventorys_extra_packages_are_in_every_kernel(alice_kernel):
+    """The test inventory adds numpy and pandas (gpuhub_python_extra_requirements): a DataFrame made
+    in one GPU cell is there, whole, in the next."""
+    _, channel = alice_kernel
+    channel.run("import numpy as np, pandas as pd\ndf = pd.DataFrame({'k': list('abab'), 'v': np.arange(4.0)})")
+    out = channel.run("print(df.groupby('k')['v'].sum().to_dict())")
+    assert out["stdout"].strip() == "{'a': 2.0, 'b': 4.0}", out
 
 
 def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):

@@ -91,6 +91,33 @@ async def test_a_kernel_shut_down_from_jupyterlab_leaves_nothing_behind(kernelsp
         assert not list((a.dir / "state" / "journals").glob(f"*{kernel_id}*")), a.name
 
 
+async def test_a_kernel_restarted_from_jupyterlab_starts_afresh(kernelspecs, cluster, tmp_path):
+    """JupyterLab's "Restart Kernel" asks the kernel to exit (shutdown_request with restart) and
+    starts it again under the same id once it has. The exited replicas must not be taken for the
+    new kernel's (the restart failed with "3 of its 3 replicas exited")."""
+    km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=kernelspecs)
+    await km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=30)
+        reply = await kc.execute_interactive("kept = 1", timeout=30)
+        assert reply["content"]["status"] == "ok"
+        km.provisioner.poll_cache_s = 0.0  # the replicas are seen to exit: nothing is killed
+        await km.restart_kernel(now=False)
+        await kc.wait_for_ready(timeout=60)
+        out = []
+        reply = await kc.execute_interactive(
+            "print('kept' in dir())", timeout=30,
+            output_hook=lambda m: out.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
+        assert reply["content"]["status"] == "ok" and "".join(out).strip() == "False"
+        _, after = cluster["dev"].scheduler_call("GET", f"/api/v1/kernels/{km.kernel_id}")
+        assert [r["state"] for r in after["replicas"]] == ["active"] * 3, after
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)
+
+
 def test_bad_user_token_is_refused(cluster):
     with pytest.raises(ApiClientError) as exc:
         call_json_sync("POST", cluster["scheduler"].url + "/api/v1/kernels", "wrong",
