@@ -2,8 +2,8 @@
 issue #11's elastic GPU pool, beside the default pool and a few of its settings changed, on
 `gpuhub sim generate --seed S` traces.
 
-`python -m bench.elastic_bound [--seeds 1,2,3,4,5,6] [--no-ablations]` (about 6 s without the
-ablations, a minute with them). Same definitions as gpuhub/sim/engine.py: provisioned = 8 GPUs x
+`python -m bench.elastic_bound [--seeds 1,2,3,4,5,6] [--no-ablations] [--where]` (about 6 s without the
+ablations, a minute with them; ``--where`` adds where the default pool's servers go, by state). Same definitions as gpuhub/sim/engine.py: provisioned = 8 GPUs x
 servers active or being acquired, from the first session's start to the trace's end; reserved = the
 sessions' GPUs x their length.
 
@@ -37,6 +37,7 @@ import sys
 from dataclasses import replace
 
 from gpuhub.scheduler.pool import PoolSettings
+from gpuhub.sim import engine
 from gpuhub.sim.engine import SimConfig, simulate
 from gpuhub.sim.generate import GenConfig, generate
 
@@ -178,6 +179,48 @@ def excess_split(r, trace):
     return one / res, more / res
 
 
+def where_servers_go(trace) -> dict[str, float]:
+    """The default pool's servers kept on, split by what they held, sampled at each pool decision
+    (every 10 s), as GPU-hours / reserved: ``empty`` (active, nothing granted: the spare and the
+    replica floor), ``full``, ``part`` (some GPUs granted) and ``idle_on_part`` (the idle GPUs of
+    those), ``draining`` and ``acquiring``; ``pack`` is max(3, ceil(held / 8)) servers."""
+    acc: dict[str, float] = {}
+    last: list = [None]
+    tick = engine.Simulator._pool_tick
+
+    def sampled(sim, t):
+        if last[0] is not None:
+            t0, seen = last[0]
+            for k, v in seen.items():
+                acc[k] = acc.get(k, 0.0) + v * (t - t0)
+        seen = {}
+        held = 0
+        for n in sim.pooled.values():
+            v = sim._view(n)
+            held += v.committed
+            if n.pool != "active":
+                key = n.pool
+            elif v.committed == 0:
+                key = "empty"
+            elif v.committed == v.gpu_count:
+                key = "full"
+            else:
+                key = "part"
+                seen["idle_on_part"] = seen.get("idle_on_part", 0.0) + (v.gpu_count - v.committed) / G
+            seen[key] = seen.get(key, 0.0) + 1
+        seen["pack"] = max(FLOOR if sim.live_sessions else 0, math.ceil(held / G))
+        last[0] = (t, seen)
+        tick(sim, t)
+
+    engine.Simulator._pool_tick = sampled
+    try:
+        r = simulate(trace, SimConfig(policy="gpuhub", elastic=True))
+    finally:
+        engine.Simulator._pool_tick = tick
+    servers_reserved = r.gpu_hours_reserved * 3600 / G
+    return {k: v / servers_reserved for k, v in sorted(acc.items())}
+
+
 ABLATIONS = (
     ("default", {}),
     ("spare_servers=0", {"spare_servers": 0}),
@@ -195,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.elastic_bound", description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="1,2,3,4,5,6")
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--where", action="store_true", help="where the default pool's servers go, by state")
     a = p.parse_args([] if argv is None else argv)
     seeds = [int(x) for x in a.seeds.split(",")]
     print("| seed | cells | k>10s | phys (no lead) F=3 / F=0 | bound zero-delay F=3 | bound zero-delay F=0 "
@@ -216,6 +260,13 @@ def main(argv: list[str] | None = None) -> None:
                 rr = pool_ratio(tr, **kw)
                 abl[name].append((rr.gpu_hours_provisioned / rr.gpu_hours_reserved, rr.delay_p95_s,
                                   rr.delay_p99_s, rr.cells_over_grant_timeout))
+    if a.where:
+        parts = ("empty", "full", "part", "idle_on_part", "draining", "acquiring", "pack")
+        print("\n| seed | " + " | ".join(parts) + " |")
+        print("|---:|" + "---:|" * len(parts))
+        for seed in seeds:
+            w = where_servers_go(generate(GenConfig(seed=seed)))
+            print(f"| {seed} | " + " | ".join(f"{w.get(k, 0.0):.3f}" for k in parts) + " |", flush=True)
     if not a.no_ablations:
         print("\n| pool ablation | " + " | ".join(f"seed {s}" for s in seeds) + " | median | worst p95 s / p99 s |")
         print("|---|" + "---:|" * (len(seeds) + 2))
