@@ -2,10 +2,10 @@
 issue #11's elastic GPU pool, beside the default pool and a few of its settings changed, on
 `gpuhub sim generate --seed S` traces.
 
-`python -m bench.elastic_bound [--seeds 1,2,3,4,5,6] [--no-ablations] [--where]` (about 6 s without the
-ablations, a minute with them; ``--where`` adds where the default pool's servers go, by state). Same definitions as gpuhub/sim/engine.py: provisioned = 8 GPUs x
-servers active or being acquired, from the first session's start to the trace's end; reserved = the
-sessions' GPUs x their length.
+`python -m bench.elastic_bound [--seeds 1,2,3,4,5,6] [--no-ablations] [--where]` (about 6 s without
+the ablations, a minute with them; ``--where`` adds where the default pool's servers go, by state).
+Same definitions as gpuhub/sim/engine.py: provisioned = 8 GPUs x servers active or being acquired,
+from the first session's start to the trace's end; reserved = the sessions' GPUs x their length.
 
 The bound, per instant t (all GPU-seconds are servers x 8 GPUs x seconds):
   N(t) = servers that must be able to grant at t = max(F x [some kernel alive at t], ceil(B(t) / 8)),
