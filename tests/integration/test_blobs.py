@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 
+from gpuhub.kernel.replica import reachable
 from gpuhub.replication import blobclient, blobwire
 from gpuhub.replication.blobclient import BlobError, fetch, push, push_all
 from gpuhub.replication.blobserver import BlobServer
@@ -168,6 +169,17 @@ def test_wrong_key_is_refused_and_logged_without_the_key(servers, caplog):
     assert len(impostor.store) == 0
     push(srv.address, KEY, {digest(b"v"): b"v"})  # and it still serves the right key
     assert srv.store.has(digest(b"v"))
+
+
+def test_a_liveness_probe_leaves_no_line_in_the_log(servers, caplog):
+    """Followers check that a cell's executor still answers by connecting to its blob server twice
+    a second (gpuhub/kernel/replica.py, reachable): a long cell must not fill the executor's journal."""
+    (srv,) = servers(1)
+    caplog.set_level(logging.DEBUG, logger="gpuhub.replication.blobserver")
+    for _ in range(3):
+        assert reachable(srv.address)
+    wait_for(lambda: caplog.text.count("closed before the handshake") == 3, 10, "the probes handled")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
 
 
 def test_corrupt_data_is_rejected(servers, caplog):
