@@ -64,18 +64,38 @@ async def test_gpu_kernel_through_provisioner(kernelspecs, cluster, tmp_path):
         assert a.call("GET", "/api/v1/units")[1]["units"] == []
 
 
-async def test_a_kernel_shut_down_from_jupyterlab_leaves_nothing_behind(kernelspecs, cluster, tmp_path):
-    """JupyterLab's "Shut Down Kernel" asks the kernel to exit (shutdown_request) and does not kill
-    it when it does. Its replicas exit cleanly; the scheduler must still forget the kernel and its
-    agents drop the units (and the kernel's journals, which hold the user's values) at once."""
+async def started_cpu_kernel(kernelspecs, tmp_path) -> tuple[AsyncKernelManager, object]:
+    """A gpuhub CPU kernel through the provisioner, with a client whose channels answer."""
     km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=kernelspecs)
     await km.start_kernel(cwd=str(tmp_path))
     kc = km.client()
     kc.start_channels()
     try:
         await kc.wait_for_ready(timeout=30)
-        reply = await kc.execute_interactive("secret = 42", timeout=30)
-        assert reply["content"]["status"] == "ok"
+    except BaseException:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)
+        raise
+    return km, kc
+
+
+async def run(kc, code: str) -> str:
+    """The cell's stdout; it must succeed."""
+    out = []
+    reply = await kc.execute_interactive(
+        code, timeout=30,
+        output_hook=lambda m: out.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(out)
+
+
+async def test_a_kernel_shut_down_from_jupyterlab_leaves_nothing_behind(kernelspecs, cluster, tmp_path):
+    """JupyterLab's "Shut Down Kernel" asks the kernel to exit (shutdown_request) and does not kill
+    it when it does. Its replicas exit cleanly; the scheduler must still forget the kernel and its
+    agents drop the units (and the kernel's journals, which hold the user's values) at once."""
+    km, kc = await started_cpu_kernel(kernelspecs, tmp_path)
+    try:
+        await run(kc, "secret = 42")
     finally:
         kc.stop_channels()
     kernel_id = km.kernel_id
@@ -95,22 +115,13 @@ async def test_a_kernel_restarted_from_jupyterlab_starts_afresh(kernelspecs, clu
     """JupyterLab's "Restart Kernel" asks the kernel to exit (shutdown_request with restart) and
     starts it again under the same id once it has. The exited replicas must not be taken for the
     new kernel's (the restart failed with "3 of its 3 replicas exited")."""
-    km = AsyncKernelManager(kernel_name="gpuhub-cpu", kernel_spec_manager=kernelspecs)
-    await km.start_kernel(cwd=str(tmp_path))
-    kc = km.client()
-    kc.start_channels()
+    km, kc = await started_cpu_kernel(kernelspecs, tmp_path)
     try:
-        await kc.wait_for_ready(timeout=30)
-        reply = await kc.execute_interactive("kept = 1", timeout=30)
-        assert reply["content"]["status"] == "ok"
+        await run(kc, "kept = 1")
         km.provisioner.poll_cache_s = 0.0  # the replicas are seen to exit: nothing is killed
         await km.restart_kernel(now=False)
         await kc.wait_for_ready(timeout=60)
-        out = []
-        reply = await kc.execute_interactive(
-            "print('kept' in dir())", timeout=30,
-            output_hook=lambda m: out.append(m["content"]["text"]) if m["msg_type"] == "stream" else None)
-        assert reply["content"]["status"] == "ok" and "".join(out).strip() == "False"
+        assert (await run(kc, "print('kept' in dir())")).strip() == "False"
         _, after = cluster["dev"].scheduler_call("GET", f"/api/v1/kernels/{km.kernel_id}")
         assert [r["state"] for r in after["replicas"]] == ["active"] * 3, after
     finally:
