@@ -60,7 +60,22 @@ class TestPlainIPyKernel(IPythonSamples, jkt.KernelTests):
 
 
 class TestPlainIPyKernelWelcome(jkt.IopubWelcomeTests):
+    """The kernel is up before the tested client subscribes, as for the replicated kernel below: a
+    client that subscribes while ipykernel starts can get its "starting" status before the welcome
+    (ipykernel's IOPub thread answers a subscription a moment after libzmq took it; seen once on a
+    busy machine)."""
+
     support_iopub_welcome = True
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        probe = cls.km.client()
+        probe.start_channels()
+        try:
+            probe.wait_for_ready(timeout=60)
+        finally:
+            probe.stop_channels()
 
 
 @pytest.fixture(scope="class")

@@ -276,6 +276,40 @@ def test_input_without_a_frontend_raises_stdin_not_implemented(kernel):
     assert reply["status"] == "error" and reply["ename"] == "StdinNotImplementedError", (reply, out)
 
 
+def test_no_debugger_and_no_subshells_are_offered_and_their_requests_are_refused(cluster):
+    """ipykernel offers both. Its debugger starts debugpy, which listens on 127.0.0.1 without
+    authentication, where the server's other users could attach and run code as this user; a
+    subshell's cell ran on the one replica that had made the subshell, outside the Raft log."""
+    k = ReplicatedKernel(cluster, gpus=0)
+    try:
+        kc = k.kc
+        kc.kernel_info()
+        info = kc.get_shell_msg(timeout=30)["content"]
+        assert not {"debugger", "kernel subshells"} & set(info["supported_features"]), info
+
+        def control(msg_type: str, content: dict) -> dict:
+            kc.control_channel.send(kc.session.msg(msg_type, content))
+            return kc.control_channel.get_msg(timeout=30)["content"]
+
+        debug = control("debug_request", {"type": "request", "seq": 1, "command": "initialize",
+                                          "arguments": {"clientID": "test", "adapterID": "python"}})
+        assert debug["success"] is False and "no debugger" in debug["message"], debug
+        subshell = control("create_subshell_request", {})
+        assert subshell["status"] == "error" and subshell["ename"] == "SubshellsUnsupported", subshell
+        # A request that names a subshell anyway runs nowhere.
+        msg = kc.session.msg("execute_request", {"code": "leaked = 1", "silent": False, "store_history": True,
+                                                 "user_expressions": {}, "allow_stdin": False})
+        msg["header"]["subshell_id"] = "made-up"
+        kc.shell_channel.send(msg)
+        assert kc.get_shell_msg(timeout=30)["content"]["status"] == "error"
+        reply, _ = run(kc, "x = 1")
+        assert reply["status"] == "ok", reply
+        for rid in range(3):
+            assert k.namespace(rid, ["leaked", "x"]) == {"leaked": None, "x": "1"}, rid
+    finally:
+        k.close()
+
+
 def test_the_socket_module_is_the_pythons_own(kernel):
     """pysyncobj swaps socket.inet_ntop for a Windows-only one when imported: user code (psutil's
     net_connections among it) must still get the one a plain ipykernel has."""
