@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -27,3 +29,17 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "the
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
                                  + (f" (last error: {last!r})" if last else ""))
         time.sleep(interval)
+
+
+def debugpy_adapters() -> set[int]:
+    """Pids of debugpy's adapter processes: what ipykernel's debugger starts (detached), listening on
+    127.0.0.1 for any client, without authentication."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"debugpy/adapter" in cmdline or b"debugpy.adapter" in cmdline:
+            found.add(int(pid))
+    return found

@@ -19,7 +19,7 @@ def cmd_kernelspecs(args) -> int:
     if not profiles:
         print("gpuhub kernelspecs: give at least one --profile NAME:GPUS", file=sys.stderr)
         return 2
-    changes = install(args.prefix, profiles, args.replicas)
+    changes = install(args.prefix, profiles, args.replicas, plain_python3=args.plain_python3)
     for line in changes:
         print(line)
     if not changes:
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ki.add_argument("--prefix", required=True, help="environment prefix, e.g. /opt/gpuhub/venv")
     ki.add_argument("--profile", action="append", default=[], help="NAME:GPUS, repeatable")
     ki.add_argument("--replicas", type=int, default=3)
+    ki.add_argument("--plain-python3", action="store_true",
+                    help="also write the plain \"python3\" kernelspec (ipykernel without its debugger)")
     ki.set_defaults(func=cmd_kernelspecs)
     _status_commands(sub)
     bk = sub.add_parser("backup", help="the hub host's state (database, secrets, TLS, the scheduler's books) "

@@ -28,6 +28,17 @@ def kernelspec(gpus: int, replicas: int, python: str) -> dict:
     }
 
 
+def plain_kernelspec(python: str) -> dict:
+    """ipykernel's own "python3" kernelspec, less the debugger (gpuhub/kernel/plain.py)."""
+    return {
+        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+                 "--IPKernelApp.kernel_class=gpuhub.kernel.plain.PlainKernel"],
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+        "metadata": {"debugger": False},
+    }
+
+
 def parse_profile(text: str) -> tuple[str, int]:
     name, sep, gpus = text.partition(":")
     if not sep or not name or not gpus.isdigit():
@@ -37,16 +48,21 @@ def parse_profile(text: str) -> tuple[str, int]:
     return name.lower(), int(gpus)
 
 
-def install(prefix: str, profiles: list[tuple[str, int]], replicas: int, prune: bool = True) -> list[str]:
-    """Write one kernelspec per profile under PREFIX/share/jupyter/kernels; return what changed."""
+def install(prefix: str, profiles: list[tuple[str, int]], replicas: int, prune: bool = True,
+            plain_python3: bool = False) -> list[str]:
+    """Write one kernelspec per profile under PREFIX/share/jupyter/kernels, and with
+    ``plain_python3`` the plain kernel's "python3" over ipykernel's; return what changed."""
     root = Path(prefix) / "share" / "jupyter" / "kernels"
     python = str(Path(prefix) / "bin" / "python")
     changes = []
     wanted = set()
-    for name, gpus in profiles:
-        kdir = root / f"gpuhub-{name}"
+    specs = [(f"gpuhub-{name}", kernelspec(gpus, replicas, python)) for name, gpus in profiles]
+    if plain_python3:
+        specs.append(("python3", plain_kernelspec(python)))
+    for dirname, spec in specs:
+        kdir = root / dirname
         wanted.add(kdir.name)
-        text = json.dumps(kernelspec(gpus, replicas, python), indent=2) + "\n"
+        text = json.dumps(spec, indent=2) + "\n"
         path = kdir / "kernel.json"
         if not path.exists() or path.read_text() != text:
             kdir.mkdir(parents=True, exist_ok=True)

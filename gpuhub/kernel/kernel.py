@@ -32,6 +32,7 @@ from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess, LingeringProce
 from gpuhub.kernel.moves import MoveRequests
 from gpuhub.kernel.pipe import FrameWriter
 from gpuhub.kernel.reaper import CellReaper
+from gpuhub.kernel.refusals import Refusals
 from gpuhub.kernel.replica import Replica
 from gpuhub.kernel.warm_imports import ImportWarmer
 from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
@@ -102,15 +103,10 @@ def _name_cells_per_kernel() -> None:
     ipykernel.compiler.get_tmp_directory = lambda: directory
 
 
-UNSUPPORTED_FEATURES = ("debugger", "kernel subshells")
-NO_DEBUGGER = ("gpuhub kernels have no debugger: a cell runs on one of the kernel's replicas, and a debugger "
-               "there would listen on a port other users of the server could reach")
-NO_SUBSHELLS = "gpuhub kernels run one cell at a time, on every replica in order: subshells are not supported"
-
-
-class GpuhubKernel(IPythonKernel):
+class GpuhubKernel(Refusals, IPythonKernel):
     implementation = "gpuhub"
     implementation_version = "0.1.0"
+    refused = ("debugger", "kernel subshells")  # gpuhub/kernel/refusals.py
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -428,26 +424,6 @@ class GpuhubKernel(IPythonKernel):
             while len(self._notes) > 64:  # notes of cells this replica never got
                 self._notes.pop(next(iter(self._notes)))
             self.replica.state.changed.notify_all()
-
-    # --- what a replicated kernel does not offer ---------------------------------------------------
-    # ipykernel offers a debugger and kernel subshells. Neither goes through the cell protocol: a
-    # subshell's cell ran on the one replica that had made the subshell, outside the Raft log (its
-    # variables there only), and the debugger starts debugpy, which listens on 127.0.0.1 without
-    # authentication, where every user of the server could attach to it and run code as this user.
-    # So neither is advertised, and their requests are refused with a reason.
-    @property
-    def kernel_info(self):
-        info = super().kernel_info
-        info["supported_features"] = [f for f in info.get("supported_features", []) if f not in UNSUPPORTED_FEATURES]
-        return info
-
-    async def do_debug_request(self, msg):
-        return {"type": "response", "request_seq": msg.get("seq"), "success": False, "command": msg.get("command"),
-                "message": NO_DEBUGGER}
-
-    async def create_subshell_request(self, socket, ident, parent) -> None:
-        self.session.send(socket, "create_subshell_reply", {"status": "error", "ename": "SubshellsUnsupported",
-                                                            "evalue": NO_SUBSHELLS, "traceback": []}, parent, ident)
 
     def should_handle(self, stream, msg, idents):
         if msg["header"]["msg_type"] == DISPATCH_NOTE:  # before this cell, on shell: never answered

@@ -303,6 +303,9 @@ def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
     try:
         specs = alice.api("GET", "/user/alice/second/api/kernelspecs").json()
         assert specs["default"] == "gpuhub-cpu" and set(specs["kernelspecs"]) == {"gpuhub-cpu", "python3"}
+        # the plain kernel runs without ipykernel's debugger (gpuhub/kernel/plain.py)
+        assert "--IPKernelApp.kernel_class=gpuhub.kernel.plain.PlainKernel" in \
+            specs["kernelspecs"]["python3"]["spec"]["argv"], specs["kernelspecs"]["python3"]
         units = cluster.exec(cluster.groups["notebook_hosts"][0], "systemctl", "list-units", "--plain",
                              "--no-legend", "gpuhub-server-alice*")
         assert "gpuhub-server-alice-second" in units and "gpuhub-server-alice.service" in units, units

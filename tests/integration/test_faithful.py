@@ -14,7 +14,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster
-from tests.helpers import wait_for
+from tests.helpers import debugpy_adapters, wait_for
 from tests.integration.test_gpu_cells import FRAGILE, run
 from tests.integration.test_replicated import (
     ReplicatedKernel,
@@ -283,17 +283,18 @@ def test_no_debugger_and_no_subshells_are_offered_and_their_requests_are_refused
     k = ReplicatedKernel(cluster, gpus=0)
     try:
         kc = k.kc
-        kc.kernel_info()
-        info = kc.get_shell_msg(timeout=30)["content"]
+        info = kc.kernel_info(reply=True, timeout=30)["content"]
         assert not {"debugger", "kernel subshells"} & set(info["supported_features"]), info
 
         def control(msg_type: str, content: dict) -> dict:
             kc.control_channel.send(kc.session.msg(msg_type, content))
             return kc.control_channel.get_msg(timeout=30)["content"]
 
+        before = debugpy_adapters()
         debug = control("debug_request", {"type": "request", "seq": 1, "command": "initialize",
                                           "arguments": {"clientID": "test", "adapterID": "python"}})
         assert debug["success"] is False and "no debugger" in debug["message"], debug
+        assert debugpy_adapters() <= before
         subshell = control("create_subshell_request", {})
         assert subshell["status"] == "error" and subshell["ename"] == "SubshellsUnsupported", subshell
         # A request that names a subshell anyway runs nowhere.
@@ -301,7 +302,10 @@ def test_no_debugger_and_no_subshells_are_offered_and_their_requests_are_refused
                                                  "user_expressions": {}, "allow_stdin": False})
         msg["header"]["subshell_id"] = "made-up"
         kc.shell_channel.send(msg)
-        assert kc.get_shell_msg(timeout=30)["content"]["status"] == "error"
+        reply = kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:  # kernel_info replies before it
+            reply = kc.get_shell_msg(timeout=30)
+        assert reply["content"]["status"] == "error", reply["content"]
         reply, _ = run(kc, "x = 1")
         assert reply["status"] == "ok", reply
         for rid in range(3):

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import requests
 from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.manager import AsyncKernelManager, start_new_kernel
 
 from gpuhub.admin.kernelspecs import install
 from gpuhub.dev.cluster import DevCluster, free_port
 from gpuhub.platform.http_client import ApiClientError, call_json_sync
 from gpuhub.server.provisioner import KernelLaunchFailed
-from tests.helpers import wait_for
+from tests.helpers import debugpy_adapters, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,6 +127,33 @@ async def test_a_kernel_restarted_from_jupyterlab_starts_afresh(kernelspecs, clu
     finally:
         kc.stop_channels()
         await km.shutdown_kernel(now=True)
+
+
+def test_the_notebook_hosts_plain_kernel_has_no_debugger(tmp_path, monkeypatch):
+    """The plain "python3" kernel runs on the notebook host, which every user's server shares:
+    ipykernel's debugger would start debugpy there, listening on 127.0.0.1 without authentication."""
+    prefix = tmp_path / "prefix"
+    install(str(prefix), [("cpu", 0)], replicas=3, plain_python3=True)
+    (prefix / "bin").mkdir()
+    python = prefix / "bin" / "python"  # this environment's (a symlink would lose the venv)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        info = kc.kernel_info(reply=True, timeout=30)["content"]
+        assert "debugger" not in info["supported_features"], info
+        before = debugpy_adapters()
+        for seq, command in enumerate(("initialize", "attach"), 1):  # what JupyterLab sends first
+            kc.control_channel.send(kc.session.msg("debug_request", {
+                "type": "request", "seq": seq, "command": command, "arguments": {"adapterID": "python"}}))
+            debug = kc.control_channel.get_msg(timeout=30)["content"]
+            assert debug["success"] is False and "no debugger" in debug["message"], debug
+        assert debugpy_adapters() <= before  # ipykernel's starts one before it answers "initialize"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_bad_user_token_is_refused(cluster):
