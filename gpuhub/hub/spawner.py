@@ -39,8 +39,11 @@ def kernel_args(profile: dict, others: list[str]) -> list[str]:
 
 
 # Jupyter Server leaves Nagle's algorithm on for kernel websockets: about 40 ms more per cell
-# (gpuhub/server/websocket.py).
-SERVER_ARGS = ["--ServerApp.kernel_websocket_connection_class=gpuhub.server.websocket.NoDelayChannelsConnection"]
+# (gpuhub/server/websocket.py). jupyter_client adds ipykernel's own "python3" kernelspec, debugger
+# included, wherever no python3 kernelspec file exists: a site that hid the plain kernel
+# (gpuhub_kernelspecs_keep_python3: false) would offer it all the same (gpuhub/kernel/refusals.py).
+SERVER_ARGS = ["--ServerApp.kernel_websocket_connection_class=gpuhub.server.websocket.NoDelayChannelsConnection",
+               "--KernelSpecManager.ensure_native_kernel=False"]
 
 
 async def least_loaded_agent(urls: list[str], token_for: Callable[[str], str]) -> str:

@@ -25,6 +25,7 @@ and takes no order from an older one: its files stay until the replica's state r
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -225,6 +226,8 @@ class BlobDisk:
             finally:
                 os.close(fd)
         except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOTSUP):
+                return True  # a filesystem that cannot sync a directory (some network mounts): as before
             self._failed(str(exc))
             return False
         return True

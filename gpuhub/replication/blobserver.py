@@ -168,9 +168,10 @@ class BlobServer:
         except (wire.Closed, OSError) as e:
             if self._stopping.is_set():
                 pass
-            elif chan is None:
-                # Gone before the handshake: a replica's liveness probe (gpuhub/kernel/replica.py,
+            elif chan is None and isinstance(e, wire.Closed | ConnectionResetError | BrokenPipeError):
+                # Closed before the handshake: a replica's liveness probe (gpuhub/kernel/replica.py,
                 # reachable), twice a second per follower while a cell runs here. Not worth a line.
+                # (A handshake that timed out, a connection held open, is still logged.)
                 self.log.debug("blob server %s: %s closed before the handshake: %s", self.address, who, e)
             else:
                 self.log.info("blob server %s: connection from %s ended: %s", self.address, who, e)

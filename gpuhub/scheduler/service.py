@@ -32,6 +32,7 @@ REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
 # Unit states of a replica that is not running and will not come back by itself (systemd's
 # Restart= shows "activating" while it restarts one; "gone": the agent no longer has the unit).
 DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
+DELETED_KEPT_S = 300.0  # how long a deleted kernel's id is remembered against stale unit listings
 # A migration asks at most this many candidate servers whether they can still grant.
 MIGRATION_CANDIDATES = 3
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
@@ -149,6 +150,9 @@ class Scheduler:
         # When the kernel's user (their Jupyter server) last asked about it, on the monotonic
         # clock: a kernel nobody asks about has lost its server (stop_orphaned_kernels).
         self._owner_heard: dict[str, float] = {}
+        # kernel -> when it was deleted (monotonic): a reconcile's listing taken before that still
+        # shows its units, and must not adopt it again (a restart creates it anew under its id at once)
+        self._deleted: dict[str, float] = {}
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
@@ -806,6 +810,7 @@ class Scheduler:
                 await self.delete_kernel(kid)
 
     async def delete_kernel(self, kernel_id: str) -> bool:
+        self._deleted[kernel_id] = time.monotonic()
         record = self.kernels.pop(kernel_id, None)
         self._last_migration.pop(kernel_id, None)
         self._owner_heard.pop(kernel_id, None)
@@ -839,9 +844,12 @@ class Scheduler:
     async def reconcile(self) -> None:
         """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones."""
         seen: dict[str, set[str]] = {}
+        horizon = time.monotonic() - DELETED_KEPT_S
+        self._deleted = {k: t for k, t in self._deleted.items() if t > horizon}
         for node in list(self.nodes.values()):
             if not self.live(node):
                 continue
+            asked = time.monotonic()
             try:
                 _, body = await self.call_agent(node, "GET", "/api/v1/units", timeout=5)
             except ApiClientError as exc:
@@ -853,6 +861,8 @@ class Scheduler:
                 kid = u.get("kernel_id") or ""
                 if not kid or kid in self._creating:  # a kernel being created is in the books once it started
                     continue
+                if self._deleted.get(kid, float("-inf")) >= asked:
+                    continue  # deleted since this listing was asked for: its units are being stopped
                 rec = self.kernels.get(kid)
                 if rec is None:
                     rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [],

@@ -102,6 +102,9 @@ def test_a_user_runs_a_gpu_cell_from_jupyterlab(cluster, browser, shots):
         page.keyboard.type("print('after the restart')")
         page.keyboard.press("Shift+Enter")
         page.locator(".jp-OutputArea-output", has_text="after the restart").wait_for()
+        # [*] until the reply, which follows the output: wait for a number, then check it
+        page.wait_for_function(
+            "() => /\\[\\d+\\]/.test(document.querySelectorAll('.jp-InputArea-prompt')[1].textContent)")
         page.screenshot(path=str(shots / "2b-after-restart.png"))
         prompt = page.locator(".jp-InputArea-prompt").nth(1).inner_text()
         assert prompt.strip() == "[1]:", prompt

@@ -182,6 +182,17 @@ def test_a_liveness_probe_leaves_no_line_in_the_log(servers, caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
 
 
+def test_a_connection_held_open_without_a_handshake_is_logged(servers, caplog):
+    (srv,) = servers(1, handshake_timeout=0.2)
+    caplog.set_level(logging.INFO, logger="gpuhub.replication.blobserver")
+    host, port = srv.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        while s.recv(4096):  # the server's greeting, then its close once the handshake timed out
+            pass
+    wait_for(lambda: any(r.levelno == logging.INFO and "ended" in r.getMessage() for r in caplog.records),
+             10, "the timed-out handshake logged")
+
+
 def test_corrupt_data_is_rejected(servers, caplog):
     (srv,) = servers(1)
     with pytest.raises(BlobError, match="digest mismatch"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -145,6 +146,23 @@ def test_the_new_version_is_synced_to_the_directory_before_a_file_is_removed(dis
     disk.persist({first}, 2)
     assert disk.wait_handled(30)
     assert events == [("directory synced", "2"), ("removed", second)]
+
+
+def test_a_filesystem_that_cannot_sync_a_directory_still_gets_the_values(disk, store, monkeypatch):
+    first, second, _ = store.values
+    fsync = os.fsync
+
+    def no_directory_sync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_directory_sync)
+    disk.persist({first, second}, 1)
+    disk.start()
+    assert disk.wait_handled(30) and disk.on_disk() == {first, second}
+    disk.persist({first}, 2)
+    assert disk.wait_handled(30) and disk.on_disk() == {first}
 
 
 def test_a_value_that_does_not_match_its_digest_is_not_read(disk, store):

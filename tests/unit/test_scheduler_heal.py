@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -170,6 +171,37 @@ async def test_a_kernel_whose_units_exited_cleanly_is_forgotten_and_its_units_dr
     assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
     await s.reconcile()  # nothing left to adopt
     assert "k1" not in s.kernels and len(books.deleted) == 3
+
+
+async def test_a_kernel_deleted_while_a_reconcile_lists_its_units_is_not_adopted_again(tmp_path, monkeypatch):
+    """JupyterLab's restart deletes the kernel and creates it again under the same id at once. A
+    reconcile whose listing was taken before the delete still shows the old units: adopting them
+    would hand the new kernel's creation the exited replicas' record."""
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+    names = [f"gpuhub-kernel-k1-r{i}" for i in range(3)]
+    books = AgentBooks({n: [{"name": names[i], "kind": "kernel", "kernel_id": "k1", "user": "alice",
+                             "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+    listed, go = asyncio.Event(), asyncio.Event()
+
+    async def first_listing_held(method, url, token, body=None, timeout=20.0):
+        status, answer = await books(method, url, token, body, timeout)
+        if method == "GET" and not listed.is_set():
+            answer = {"units": list(answer["units"])}  # as of now
+            listed.set()
+            await go.wait()
+        return status, answer
+
+    monkeypatch.setattr(service, "call_json", first_listing_held)
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    reconciling = asyncio.create_task(s.reconcile())
+    await listed.wait()
+    assert await s.delete_kernel("k1")
+    go.set()
+    await reconciling
+    assert "k1" not in s.kernels
+    assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
 
 
 async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_replica_at_a_time(tmp_path, monkeypatch):

@@ -59,3 +59,16 @@ def test_the_servers_websocket_class_is_importable_as_named():
     (arg,) = [a for a in SERVER_ARGS if a.startswith("--ServerApp.kernel_websocket_connection_class=")]
     module, _, name = arg.split("=", 1)[1].rpartition(".")
     assert issubclass(getattr(import_module(module), name), BaseKernelWebsocketConnection)
+
+
+def test_servers_never_add_ipykernels_own_python3_kernelspec(tmp_path):
+    """Only the python3 kernelspec the kernelspecs role writes (ipykernel without its debugger) is
+    offered, or none: jupyter_client would otherwise add ipykernel's own where the role hid it."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from traitlets.config.loader import KVArgParseConfigLoader
+
+    from gpuhub.hub.spawner import SERVER_ARGS
+
+    config = KVArgParseConfigLoader([a for a in SERVER_ARGS if a.startswith("--KernelSpecManager.")]).load_config()
+    assert KernelSpecManager(kernel_dirs=[str(tmp_path)]).find_kernel_specs() != {}  # the default adds it
+    assert KernelSpecManager(config=config, kernel_dirs=[str(tmp_path)]).find_kernel_specs() == {}
