@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -150,8 +151,9 @@ class Scheduler:
         # When the kernel's user (their Jupyter server) last asked about it, on the monotonic
         # clock: a kernel nobody asks about has lost its server (stop_orphaned_kernels).
         self._owner_heard: dict[str, float] = {}
-        # kernel -> when it was deleted (monotonic): a reconcile's listing taken before that still
-        # shows its units, and must not adopt it again (a restart creates it anew under its id at once)
+        # kernel -> when its delete ended (monotonic; inf while it runs): a reconcile's listing asked
+        # for before that may still show its units, and must not adopt it again (a restart creates
+        # it anew under its id at once)
         self._deleted: dict[str, float] = {}
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
@@ -810,17 +812,20 @@ class Scheduler:
                 await self.delete_kernel(kid)
 
     async def delete_kernel(self, kernel_id: str) -> bool:
-        self._deleted[kernel_id] = time.monotonic()
-        record = self.kernels.pop(kernel_id, None)
-        self._last_migration.pop(kernel_id, None)
-        self._owner_heard.pop(kernel_id, None)
-        if record is None:
-            return False
-        for rep in record.replicas:
-            await self._stop_replica(rep)
-        self.save()
-        log.info("kernel %s stopped", kernel_id)
-        return True
+        self._deleted[kernel_id] = math.inf  # until its units are stopped: listings show them meanwhile
+        try:
+            record = self.kernels.pop(kernel_id, None)
+            self._last_migration.pop(kernel_id, None)
+            self._owner_heard.pop(kernel_id, None)
+            if record is None:
+                return False
+            for rep in record.replicas:
+                await self._stop_replica(rep)
+            self.save()
+            log.info("kernel %s stopped", kernel_id)
+            return True
+        finally:
+            self._deleted[kernel_id] = time.monotonic()
 
     async def kernel_status(self, kernel_id: str) -> dict | None:
         record = self.kernels.get(kernel_id)
@@ -862,7 +867,7 @@ class Scheduler:
                 if not kid or kid in self._creating:  # a kernel being created is in the books once it started
                     continue
                 if self._deleted.get(kid, float("-inf")) >= asked:
-                    continue  # deleted since this listing was asked for: its units are being stopped
+                    continue  # deleted after this listing was asked for: its units were being stopped
                 rec = self.kernels.get(kid)
                 if rec is None:
                     rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [],

@@ -204,6 +204,33 @@ async def test_a_kernel_deleted_while_a_reconcile_lists_its_units_is_not_adopted
     assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
 
 
+async def test_a_kernel_whose_delete_is_stopping_its_units_is_not_adopted_by_a_reconcile(tmp_path, monkeypatch):
+    """The same while the delete waits for an agent to stop a unit: the listing shows the others."""
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+    names = [f"gpuhub-kernel-k1-r{i}" for i in range(3)]
+    books = AgentBooks({n: [{"name": names[i], "kind": "kernel", "kernel_id": "k1", "user": "alice",
+                             "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+    stopping, go = asyncio.Event(), asyncio.Event()
+
+    async def first_stop_held(method, url, token, body=None, timeout=20.0):
+        if method == "DELETE" and not stopping.is_set():
+            stopping.set()
+            await go.wait()
+        return await books(method, url, token, body, timeout)
+
+    monkeypatch.setattr(service, "call_json", first_stop_held)
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    deleting = asyncio.create_task(s.delete_kernel("k1"))
+    await stopping.wait()
+    await s.reconcile()
+    go.set()
+    assert await deleting
+    assert "k1" not in s.kernels
+    assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
+
+
 async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_replica_at_a_time(tmp_path, monkeypatch):
     s = scheduler_with(tmp_path, live=["a", "b", "c", "d", "e"], lost=[])
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
