@@ -173,16 +173,21 @@ async def test_a_kernel_whose_units_exited_cleanly_is_forgotten_and_its_units_dr
     assert "k1" not in s.kernels and len(books.deleted) == 3
 
 
+def running_kernel_k1(tmp_path) -> tuple[Scheduler, AgentBooks]:
+    """A scheduler with kernel k1's three replicas running on a, b and c, and those agents' books."""
+    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    return s, AgentBooks({n: [{"name": f"gpuhub-kernel-k1-r{i}", "kind": "kernel", "kernel_id": "k1",
+                               "user": "alice", "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+
+
 async def test_a_kernel_deleted_while_a_reconcile_lists_its_units_is_not_adopted_again(tmp_path, monkeypatch):
     """JupyterLab's restart deletes the kernel and creates it again under the same id at once. A
     reconcile whose listing was taken before the delete still shows the old units: adopting them
     would hand the new kernel's creation the exited replicas' record."""
     import gpuhub.scheduler.service as service
 
-    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
-    names = [f"gpuhub-kernel-k1-r{i}" for i in range(3)]
-    books = AgentBooks({n: [{"name": names[i], "kind": "kernel", "kernel_id": "k1", "user": "alice",
-                             "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+    s, books = running_kernel_k1(tmp_path)
     listed, go = asyncio.Event(), asyncio.Event()
 
     async def first_listing_held(method, url, token, body=None, timeout=20.0):
@@ -194,24 +199,20 @@ async def test_a_kernel_deleted_while_a_reconcile_lists_its_units_is_not_adopted
         return status, answer
 
     monkeypatch.setattr(service, "call_json", first_listing_held)
-    s.kernels["k1"] = kernel(["a", "b", "c"])
     reconciling = asyncio.create_task(s.reconcile())
     await listed.wait()
     assert await s.delete_kernel("k1")
     go.set()
     await reconciling
     assert "k1" not in s.kernels
-    assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
+    assert sorted(books.deleted) == [(n, f"gpuhub-kernel-k1-r{i}") for i, n in enumerate("abc")]
 
 
 async def test_a_kernel_whose_delete_is_stopping_its_units_is_not_adopted_by_a_reconcile(tmp_path, monkeypatch):
     """The same while the delete waits for an agent to stop a unit: the listing shows the others."""
     import gpuhub.scheduler.service as service
 
-    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
-    names = [f"gpuhub-kernel-k1-r{i}" for i in range(3)]
-    books = AgentBooks({n: [{"name": names[i], "kind": "kernel", "kernel_id": "k1", "user": "alice",
-                             "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+    s, books = running_kernel_k1(tmp_path)
     stopping, go = asyncio.Event(), asyncio.Event()
 
     async def first_stop_held(method, url, token, body=None, timeout=20.0):
@@ -221,14 +222,13 @@ async def test_a_kernel_whose_delete_is_stopping_its_units_is_not_adopted_by_a_r
         return await books(method, url, token, body, timeout)
 
     monkeypatch.setattr(service, "call_json", first_stop_held)
-    s.kernels["k1"] = kernel(["a", "b", "c"])
     deleting = asyncio.create_task(s.delete_kernel("k1"))
     await stopping.wait()
     await s.reconcile()
     go.set()
     assert await deleting
     assert "k1" not in s.kernels
-    assert sorted(books.deleted) == [("a", names[0]), ("b", names[1]), ("c", names[2])]
+    assert sorted(books.deleted) == [(n, f"gpuhub-kernel-k1-r{i}") for i, n in enumerate("abc")]
 
 
 async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_replica_at_a_time(tmp_path, monkeypatch):
