@@ -166,14 +166,13 @@ class BlobServer:
         except wire.Tampered as e:
             self.log.warning("blob server %s: connection from %s closed: %s", self.address, who, e)
         except (wire.Closed, OSError) as e:
-            if self._stopping.is_set():
-                pass
-            elif chan is None and isinstance(e, wire.Closed | ConnectionResetError | BrokenPipeError):
-                # Closed before the handshake: a replica's liveness probe (gpuhub/kernel/replica.py,
-                # reachable), twice a second per follower while a cell runs here. Not worth a line.
-                # (A handshake that timed out, a connection held open, is still logged.)
+            # Closed before the handshake: a replica's liveness probe (gpuhub/kernel/replica.py,
+            # reachable), twice a second per follower while a cell runs here. Not worth a line.
+            # (A handshake that timed out, a connection held open, is still logged.)
+            probe = chan is None and isinstance(e, wire.Closed | ConnectionResetError | BrokenPipeError)
+            if probe:
                 self.log.debug("blob server %s: %s closed before the handshake: %s", self.address, who, e)
-            else:
+            elif not self._stopping.is_set():
                 self.log.info("blob server %s: connection from %s ended: %s", self.address, who, e)
         except Exception:
             self.log.exception("blob server %s: error serving %s", self.address, who)

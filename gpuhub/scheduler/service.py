@@ -866,7 +866,7 @@ class Scheduler:
                 kid = u.get("kernel_id") or ""
                 if not kid or kid in self._creating:  # a kernel being created is in the books once it started
                     continue
-                if self._deleted.get(kid, float("-inf")) >= asked:
+                if self._deleted.get(kid, -math.inf) >= asked:
                     continue  # deleted after this listing was asked for: its units were being stopped
                 rec = self.kernels.get(kid)
                 if rec is None:
