@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,6 +26,8 @@ from gpuhub.platform.http_server import (
     token_matches,
 )
 from gpuhub.platform.schema import Body, invalid
+
+INCARNATION = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
 class AgentHandler(JsonHandler):
@@ -63,12 +66,20 @@ class KernelPart(Body):
     key: Any = ""
     kernel_id: Any = ""
     replica_id: Any = 0
+    incarnation: Any = ""
 
     @field_validator("replica_id")
     @classmethod
     def _replica_id(cls, v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise invalid("field 'kernel.replica_id' must be an integer >= 0")
+        return v
+
+    @field_validator("incarnation")
+    @classmethod
+    def _incarnation(cls, v: Any) -> str:
+        if not isinstance(v, str) or not INCARNATION.fullmatch(v):
+            raise invalid("field 'kernel.incarnation' must be up to 64 letters, digits, '-' or '_'")
         return v
 
 
@@ -119,6 +130,7 @@ class UnitsHandler(AgentHandler):
                 key=str(body.kernel.key),
                 kernel_id=str(body.kernel.kernel_id),
                 replica_id=body.kernel.replica_id,
+                incarnation=body.kernel.incarnation,
             )
         except UnitConflict as exc:
             raise ApiError(409, str(exc)) from None

@@ -56,6 +56,7 @@ async def adopt_unit(runner: UnitRunner, name: str) -> UnitRecord:
         created_at=time.time(),
         connection=read_connection(runner, name),
         replica_id=int(env.get("GPUHUB_REPLICA_ID", "0") or 0),
+        incarnation=env.get("GPUHUB_KERNEL_INCARNATION", ""),
     )
 
 

@@ -35,6 +35,8 @@ from gpuhub.agent.records import (
     blob_addr,
     raft_addr,
     sha256,
+    units_from_books,
+    units_to_books,
 )
 from gpuhub.agent.recovery import (
     adopt_unit,
@@ -95,6 +97,7 @@ class Agent:
         self.lingering = LingeringProcesses()
         self._background: set[asyncio.Task] = set()  # lingering leases being taken back
         self._main_pids: dict[str, int | None] = {}  # unit -> its main process, as systemd said (linger)
+        self._unit_locks: dict[str, asyncio.Lock] = {}  # unit -> held while it starts or stops
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
         self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
         self.quota_gate = QuotaGate()
@@ -104,9 +107,11 @@ class Agent:
 
     # --- persistence and recovery ----------------------------------------------
     def save(self) -> None:
+        units, incarnations = units_to_books(self.units)
         self.store.save({
             "node": self.config.node_name,
-            "units": {n: asdict(u) for n, u in self.units.items()},
+            "units": units,
+            "incarnations": incarnations,
             "leases": [lease.to_dict() for lease in self.book.leases.values()],
             "usage": self.meter.to_dict(),
             # A lease that does not survive a crash or reboot counts its GPU-hours up to here.
@@ -116,8 +121,7 @@ class Agent:
     async def recover(self) -> None:
         """Rebuild units and leases from the state file and systemd; stop nothing."""
         data = load_state(self.store)
-        for name, raw in data.get("units", {}).items():
-            self.units[name] = UnitRecord(**raw)
+        self.units.update(units_from_books(data.get("units", {}), data.get("incarnations", {})))
         running = set(await self.runner.list())
         for name in running - set(self.units):
             self.units[name] = await adopt_unit(self.runner, name)
@@ -232,23 +236,59 @@ class Agent:
         """Where this server's units reach the agent."""
         return local_api_url(self.config)
 
+    def _unit_lock(self, name: str) -> asyncio.Lock:
+        """Starts and stops of one unit name take turns: a stop still running when a start of the
+        same name comes (a restarted kernel) must not remove the new unit's journal."""
+        lock = self._unit_locks.get(name)
+        if lock is None:
+            lock = self._unit_locks[name] = asyncio.Lock()
+        return lock
+
     async def start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
-                         argv: list[str] | None, key: str = "", kernel_id: str = "", replica_id: int = 0) -> dict:
+                         argv: list[str] | None, key: str = "", kernel_id: str = "", replica_id: int = 0,
+                         incarnation: str = "") -> dict:
         if not UNIT_NAME.match(name) or not name.startswith(f"gpuhub-{kind}-"):
             raise UnitError(f"unit name must look like gpuhub-{kind}-<id> (lowercase), not {name!r}")
         if replica_id < 0:
             raise UnitError(f"replica_id must not be negative, not {replica_id}")
         if gpus < 0 or gpus > self.book.gpu_count:
             raise LeaseError(f"unit asks for {gpus} GPU(s) per cell but this node has {self.book.gpu_count}")
-        if name in self.units:
+        lock = self._unit_lock(name)
+        try:
+            async with lock:
+                return await self._start_unit(name, kind, user, gpus, env, cwd, argv, key, kernel_id,
+                                              replica_id, incarnation)
+        finally:
+            self._drop_unit_lock(name, lock)
+
+    def _drop_unit_lock(self, name: str, lock: asyncio.Lock) -> None:
+        if not lock.locked() and self._unit_locks.get(name) is lock:
+            del self._unit_locks[name]
+
+    async def _start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
+                          argv: list[str] | None, key: str, kernel_id: str, replica_id: int,
+                          incarnation: str) -> dict:
+        previous = self.units.get(name)
+        if previous is not None:
             st = await self.runner.status(name)
-            if st.active:
-                self._check_same_unit(self.units[name], kind, user, gpus, key)
-                return self.unit_view(self.units[name], st.state, st.main_pid)  # idempotent start
+            same = previous.incarnation == incarnation
+            if st.active and same:
+                self._check_same_unit(previous, kind, user, gpus, key)
+                return self.unit_view(previous, st.state, st.main_pid)  # idempotent start
             await self.runner.stop(name)
             self._forget(name)
+            if not same:
+                # The scheduler created the kernel anew under its id (a restart) while this replica
+                # of the earlier one was left here (its server did not answer the delete): the new
+                # kernel starts empty, not from the earlier one's log.
+                self.journals.remove(name)
+                log.warning("unit %s belonged to an earlier kernel under this id; stopped it and dropped its "
+                            "journal", name)
+        elif kind == "kernel":
+            self.journals.remove(name)  # no unit of ours owns a journal left under this name
         limits = self.config.limits
-        record = UnitRecord(name=name, kind=kind, user=user, gpus=gpus, kernel_id=kernel_id, created_at=time.time())
+        record = UnitRecord(name=name, kind=kind, user=user, gpus=gpus, kernel_id=kernel_id, created_at=time.time(),
+                            incarnation=incarnation)
         files = {}
         env = dict(env)
         journal: Path | None = None
@@ -271,6 +311,7 @@ class Agent:
                 GPUHUB_LEASE_TOKEN=token,
                 GPUHUB_KERNEL_GPUS=str(gpus),
                 GPUHUB_KERNEL_ID=kernel_id,
+                GPUHUB_KERNEL_INCARNATION=incarnation,  # read back if the state file is lost (adopt_unit)
                 GPUHUB_NODE=self.config.node_name,
                 GPUHUB_NOTEBOOK_DIR=cwd,
                 GPUHUB_REPLICA_ID=str(replica_id),
@@ -307,7 +348,8 @@ class Agent:
         fresh_journal = journal is not None and not journal.exists()
         try:
             if journal is not None:
-                # Kept if it exists: a replica started again under its name catches up from it.
+                # Kept if it exists: this replica started again under its name (its unit had
+                # stopped) catches up from it.
                 self.runner.user_dir(journal, user, traverse=self.journals.parents)
             st = await self.runner.start(spec)
         except BaseException:
@@ -331,9 +373,17 @@ class Agent:
             raise UnitConflict(f"unit {running.name} runs already, started for another user or with other settings")
 
     async def stop_unit(self, name: str) -> bool:
-        known = name in self.units
         if not UNIT_NAME.match(name):
             return False  # nothing of ours has that name; never touch paths built from it
+        lock = self._unit_lock(name)
+        try:
+            async with lock:
+                return await self._stop_unit(name)
+        finally:
+            self._drop_unit_lock(name, lock)
+
+    async def _stop_unit(self, name: str) -> bool:
+        known = name in self.units
         await self.runner.stop(name)
         self.journals.remove(name)
         if known:

@@ -10,8 +10,9 @@ import asyncio
 import logging
 import math
 import re
+import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from gpuhub.platform.config import ConfigError
@@ -33,7 +34,7 @@ REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
 # Unit states of a replica that is not running and will not come back by itself (systemd's
 # Restart= shows "activating" while it restarts one; "gone": the agent no longer has the unit).
 DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
-DELETED_KEPT_S = 300.0  # how long a deleted kernel's id is remembered against stale unit listings
+CHANGED_KEPT_S = 300.0  # how long a created or deleted kernel's id is remembered against stale unit listings
 # A migration asks at most this many candidate servers whether they can still grant.
 MIGRATION_CANDIDATES = 3
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
@@ -106,6 +107,9 @@ class ReplicaRecord:
                 "blob": f"{conn['ip']}:{conn['blob_port']}", "connection": conn}
 
 
+REPLICA_FIELDS = frozenset(f.name for f in fields(ReplicaRecord))
+
+
 @dataclass
 class KernelRecord:
     kernel_id: str
@@ -117,14 +121,30 @@ class KernelRecord:
     # The kernel's connection key, kept (books are 0600) to start a replacement replica; never in a view.
     key: str = field(default="", repr=False)
     peers_pending: bool = False  # a replacement's peers still have to reach every replica
+    # This creation of the kernel id (a restart creates the kernel anew under its id): its replica
+    # units carry it, so a unit of an earlier kernel under the id is told from the kernel's own.
+    incarnation: str = ""
 
     def view(self) -> dict:
         v = asdict(self)
-        del v["key"], v["peers_pending"]
+        del v["key"], v["peers_pending"], v["incarnation"]
         return v
 
     def books(self) -> dict:
-        return asdict(self)
+        """Its entry in the books, without the incarnation, which the books keep beside the
+        records: releases before it read each with ``KernelRecord(**entry)`` (a rollback)."""
+        v = asdict(self)
+        del v["incarnation"]
+        return v
+
+    @classmethod
+    def from_books(cls, entry: dict, incarnation: str) -> KernelRecord:
+        """The record :meth:`books` wrote; fields a later release added are left out (a rollback)."""
+        known = {f.name for f in fields(cls)} - {"replicas"}
+        reps = [ReplicaRecord(**{k: v for k, v in r.items() if k in REPLICA_FIELDS})
+                for r in entry.get("replicas", [])]
+        return cls(**{k: v for k, v in entry.items() if k in known}, replicas=reps, incarnation=incarnation)
+
 
 
 class Scheduler:
@@ -151,10 +171,13 @@ class Scheduler:
         # When the kernel's user (their Jupyter server) last asked about it, on the monotonic
         # clock: a kernel nobody asks about has lost its server (stop_orphaned_kernels).
         self._owner_heard: dict[str, float] = {}
-        # kernel -> when its delete ended (monotonic; inf while it runs): a reconcile's listing asked
-        # for before that may still show its units, and must not adopt it again (a restart creates
-        # it anew under its id at once)
-        self._deleted: dict[str, float] = {}
+        # kernel -> when its last creation or delete ended (monotonic; inf while it runs): a
+        # reconcile's listing asked for before that shows its units as they were, and must not act
+        # on them (a restart deletes the kernel and creates it anew under its id at once)
+        self._units_changed: dict[str, float] = {}
+        # (server, unit) -> kernel incarnation: a deleted kernel's replica whose server did not
+        # answer the stop. Stopped when a reconcile finds it there, not adopted back.
+        self._unstopped: dict[tuple[str, str], str] = {}
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
@@ -171,6 +194,8 @@ class Scheduler:
                           "pool": r.pool, "pool_since": r.pool_since}
                       for n, r in self.nodes.items()},
             "kernels": {k: r.books() for k, r in self.kernels.items()},
+            "incarnations": {k: r.incarnation for k, r in self.kernels.items() if r.incarnation},
+            "unstopped": [[node, unit, inc] for (node, unit), inc in self._unstopped.items()],
             "usage": self.quotas.ledger.to_dict(),
         }
         self.store.save(data)
@@ -191,9 +216,10 @@ class Scheduler:
                 continue
             self.nodes[name] = NodeRecord(name, n["url"], info, n["last_seen"], bool(n.get("drained", False)),
                                           str(n.get("pool", "")), float(n.get("pool_since", 0.0)))
+        incarnations = data.get("incarnations", {})
         for kid, k in data.get("kernels", {}).items():
-            reps = [ReplicaRecord(**r) for r in k.pop("replicas", [])]
-            self.kernels[kid] = KernelRecord(**k, replicas=reps)
+            self.kernels[kid] = KernelRecord.from_books(k, str(incarnations.get(kid, "")))
+        self._unstopped = {(str(node), str(unit)): str(inc) for node, unit, inc in data.get("unstopped", [])}
         self.quotas.ledger = UsageLedger.from_dict(data.get("usage", {}))
         if self.pool is None or not self.pool.acts:  # no pool, or one that only reports: nothing is lent
             for rec in self.nodes.values():
@@ -427,12 +453,15 @@ class Scheduler:
             if self.pool is not None:  # a kernel no active server set can take: the pool needs a server
                 self.pool.placement_failed(kernel_id)
             raise
-        record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time(), cwd=cwd, key=key)
+        record = KernelRecord(kernel_id=kernel_id, user=user, gpus=gpus, created_at=time.time(), cwd=cwd, key=key,
+                              incarnation=secrets.token_hex(8))
         self._placing[kernel_id] = [n.name for n in chosen]  # the pool releases none of them meanwhile
+        self._units_changed[kernel_id] = math.inf
         try:
             return await self._start_kernel(record, chosen, key, cwd, started)
         finally:
             self._placing.pop(kernel_id, None)
+            self._units_changed[kernel_id] = time.monotonic()
 
     async def _place(self, kernel_id: str, gpus: int, replicas: int) -> list[NodeView]:
         """The servers for a new kernel's replicas (gpuhub/scheduler/placement.py). Right after a
@@ -473,7 +502,7 @@ class Scheduler:
         except ApiClientError:
             self.counters["placement_failures"] += 1
             for rep in record.replicas:  # all or nothing
-                await self._stop_replica(rep)
+                await self._stop_for_good(rep, record.incarnation)
             raise
         self.kernels[kernel_id] = record
         self.heard_from_owner(kernel_id)
@@ -488,7 +517,8 @@ class Scheduler:
         """Start one replica unit; its peers come later (:meth:`_send_peers`)."""
         unit = replica_unit(record.kernel_id, replica_id)
         body = {"name": unit, "kind": "kernel", "user": record.user, "gpus": record.gpus, "cwd": cwd,
-                "kernel": {"key": key, "kernel_id": record.kernel_id, "replica_id": replica_id}}
+                "kernel": {"key": key, "kernel_id": record.kernel_id, "replica_id": replica_id,
+                           "incarnation": record.incarnation}}
         if self.quotas.policy.enabled and record.gpus:
             # The user's limits go with the unit: its agent enforces them from the first cell on,
             # not from its next heartbeat (a new kernel per cell must not escape a quota).
@@ -786,8 +816,17 @@ class Scheduler:
         record.peers_pending = False
         self.save()
 
-    async def _stop_replica(self, rep: ReplicaRecord) -> None:
-        await self._call_unit(rep, "DELETE", "", "stop")
+    async def _stop_replica(self, rep: ReplicaRecord) -> bool:
+        """Stop ``rep``'s unit; False if its server is gone from the books or did not answer."""
+        return await self._call_unit(rep, "DELETE", "", "stop") is not None
+
+    async def _stop_for_good(self, rep: ReplicaRecord, incarnation: str) -> None:
+        """Stop a replica of a kernel leaving the books; one whose server did not answer is stopped
+        when a reconcile finds it (:attr:`_unstopped`), or it would bring the kernel back."""
+        if await self._stop_replica(rep):
+            self._unstopped.pop((rep.node, rep.unit), None)
+        elif rep.node in self.nodes:
+            self._unstopped[(rep.node, rep.unit)] = incarnation
 
     def heard_from_owner(self, kernel_id: str) -> None:
         """The kernel's user asked about it (their server polls it while it runs)."""
@@ -812,7 +851,7 @@ class Scheduler:
                 await self.delete_kernel(kid)
 
     async def delete_kernel(self, kernel_id: str) -> bool:
-        self._deleted[kernel_id] = math.inf  # until its units are stopped: listings show them meanwhile
+        self._units_changed[kernel_id] = math.inf  # until its units are stopped: listings show them meanwhile
         try:
             record = self.kernels.pop(kernel_id, None)
             self._last_migration.pop(kernel_id, None)
@@ -820,12 +859,12 @@ class Scheduler:
             if record is None:
                 return False
             for rep in record.replicas:
-                await self._stop_replica(rep)
+                await self._stop_for_good(rep, record.incarnation)
             self.save()
             log.info("kernel %s stopped", kernel_id)
             return True
         finally:
-            self._deleted[kernel_id] = time.monotonic()
+            self._units_changed[kernel_id] = time.monotonic()
 
     async def kernel_status(self, kernel_id: str) -> dict | None:
         record = self.kernels.get(kernel_id)
@@ -847,10 +886,11 @@ class Scheduler:
             rep.note_state("gone" if exc.status == 404 else "unreachable", time.time())
 
     async def reconcile(self) -> None:
-        """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones."""
+        """Align the books with what the agents run: adopt unknown kernel units, drop vanished ones,
+        stop units of deleted kernels and of earlier kernels under a kernel's id."""
         seen: dict[str, set[str]] = {}
-        horizon = time.monotonic() - DELETED_KEPT_S
-        self._deleted = {k: t for k, t in self._deleted.items() if t > horizon}
+        horizon = time.monotonic() - CHANGED_KEPT_S
+        self._units_changed = {k: t for k, t in self._units_changed.items() if t > horizon}
         for node in list(self.nodes.values()):
             if not self.live(node):
                 continue
@@ -862,18 +902,29 @@ class Scheduler:
                 continue
             units = {u["name"]: u for u in body.get("units", []) if u.get("kind") == "kernel"}
             seen[node.name] = set(units)
+            for key in [k for k in self._unstopped if k[0] == node.name]:
+                listed = units.get(key[1])
+                if listed is None or str(listed.get("incarnation") or "") != self._unstopped[key]:
+                    del self._unstopped[key]  # gone meanwhile, or its agent replaced it with a new kernel's
             for name, u in units.items():
                 kid = u.get("kernel_id") or ""
                 if not kid or kid in self._creating:  # a kernel being created is in the books once it started
                     continue
-                if self._deleted.get(kid, -math.inf) >= asked:
-                    continue  # deleted after this listing was asked for: its units were being stopped
+                if self._units_changed.get(kid, -math.inf) >= asked:
+                    continue  # created or deleted after this listing was asked for: it is out of date
                 rec = self.kernels.get(kid)
+                incarnation = str(u.get("incarnation") or "")
+                stale = self._stale_unit(node.name, name, incarnation, rec)
+                if stale:
+                    log.warning("reconcile: stopping %s on %s, %s", name, node.name, stale)
+                    await self._stop_for_good(ReplicaRecord(node.name, name, id=-1), incarnation)
+                    seen[node.name].discard(name)
+                    continue
                 if rec is None:
                     rec = self.kernels[kid] = KernelRecord(kid, u.get("user", ""), int(u.get("gpus", 0)), [],
-                                                           time.time())
+                                                           time.time(), incarnation=incarnation)
                     log.warning("reconcile: adopted kernel %s found on %s", kid, node.name)
-                known = next((r for r in rec.replicas if r.unit == name), None)
+                known = next((r for r in rec.replicas if r.unit == name and r.node == node.name), None)
                 if known is None and rec.key:
                     # A replica that was replaced while its node was away: the group moved on.
                     log.warning("reconcile: stopping %s on %s, a replaced replica of kernel %s", name, node.name, kid)
@@ -905,10 +956,20 @@ class Scheduler:
                     # that exited cleanly; the agent keeps its record and journal until told), or
                     # the next round would adopt the kernel again, and its journals would stay.
                     if r.unit in seen.get(r.node, ()):
-                        await self._stop_replica(r)
+                        await self._stop_for_good(r, rec.incarnation)
+        self._unstopped = {k: v for k, v in self._unstopped.items() if k[0] in self.nodes}
         await self.stop_orphaned_kernels()
         self.forget_gone_nodes()
         self.save()
+
+    def _stale_unit(self, node: str, unit: str, incarnation: str, rec: KernelRecord | None) -> str:
+        """Why ``unit`` on ``node``, of a kernel the books hold as ``rec``, is left over from a kernel
+        that no longer exists; "" if it is not."""
+        if self._unstopped.get((node, unit)) == incarnation:
+            return "a replica of a deleted kernel (its server did not answer the delete)"
+        if rec is not None and rec.incarnation and incarnation and incarnation != rec.incarnation:
+            return f"a replica of an earlier kernel under the id {rec.kernel_id}"
+        return ""
 
     async def _recover_keys(self, seen: dict[str, set[str]]) -> None:
         """Kernels adopted without their key (books lost or corrupt) get it from an agent that runs

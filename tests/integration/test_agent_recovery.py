@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import socket
@@ -18,6 +19,7 @@ from gpuhub.agent.ports import (
 )
 from gpuhub.agent.service import Agent
 from gpuhub.agent.units import UnitError
+from gpuhub.dev.cluster import current_user
 from gpuhub.dev.portblocks import reserve_block
 
 
@@ -135,3 +137,68 @@ def test_a_usage_batch_the_scheduler_cannot_count_is_dropped_and_the_next_one_go
     second = a.heartbeat_body()["usage"]
     assert second["seq"] == first["seq"] + 1 and list(second["weeks"].values()) == [{"alice": 5.0}]
     assert a.store.load()["usage"]["inflight"] == second  # on disk before the scheduler can count it
+
+
+async def test_a_start_of_a_unit_name_waits_for_its_stop_to_end(tmp_path, monkeypatch):
+    """A restarted kernel is deleted and created again under its name at once. A stop still
+    running when the start comes would otherwise remove the new replica's journal after it."""
+    a = agent(tmp_path)
+    await a.recover()
+    monkeypatch.setattr(a, "kernel_command", lambda conn: ["sleep", "60"])
+    name = "gpuhub-kernel-k1-r0"
+    user = current_user()
+    await a.start_unit(name, "kernel", user, 0, {}, "", None, key="k", kernel_id="k1", incarnation="first")
+    stopping, go, contended = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    stop = a.runner.stop
+
+    async def first_stop_held(unit):
+        if not stopping.is_set():  # the delete's; the start's own stop goes through
+            stopping.set()
+            await go.wait()
+        await stop(unit)
+
+    class NoticedLock(asyncio.Lock):
+        async def acquire(self):
+            if self.locked():
+                contended.set()
+            return await super().acquire()
+
+    monkeypatch.setattr(a.runner, "stop", first_stop_held)
+    a._unit_locks[name] = NoticedLock()
+    deleting = asyncio.create_task(a.stop_unit(name))
+    await stopping.wait()
+    starting = asyncio.create_task(
+        a.start_unit(name, "kernel", user, 0, {}, "", None, key="k", kernel_id="k1", incarnation="second"))
+    # the delete's stop ends once the start waits for it, or (were it not to wait) has started its unit
+    await asyncio.wait({starting, asyncio.create_task(contended.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    go.set()
+    assert await deleting
+    unit = await starting
+    assert unit["incarnation"] == "second"
+    # the new replica runs, in the books, with its journal: the earlier stop touched none of them
+    assert (await a.unit_status(name))["state"] == "active" and a.journals.dir(name).is_dir()
+    await a.stop_unit(name)
+    assert a._unit_locks == {}
+
+
+async def test_the_state_file_keeps_incarnations_beside_the_records_and_loads_fields_it_does_not_know(tmp_path,
+                                                                                                      monkeypatch):
+    """A rollback runs the previous release's agent on this release's state file, and the other way
+    round: neither may stop an agent, nor lose which kernel a unit belongs to."""
+    import json
+
+    a = agent(tmp_path)
+    await a.recover()
+    monkeypatch.setattr(a, "kernel_command", lambda conn: ["sleep", "60"])
+    name = "gpuhub-kernel-k1-r0"
+    await a.start_unit(name, "kernel", current_user(), 0, {}, "", None, key="k", kernel_id="k1", incarnation="first")
+    try:
+        state = json.loads(a.state_path.read_text())
+        assert "incarnation" not in state["units"][name] and state["incarnations"] == {name: "first"}
+        state["units"][name]["added_later"] = 1
+        a.state_path.write_text(json.dumps(state))
+        again = agent(tmp_path)
+        await again.recover()
+        assert again.units[name].incarnation == "first" and again.units[name].kernel_id == "k1"
+    finally:
+        await a.stop_unit(name)

@@ -27,10 +27,12 @@ from tests.helpers import wait_for
 JUPYTER_PORTS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
 
-def start_unit(agent, name, replica_id=None, kernel_id="k1", gpus=0):
-    kernel = {"key": secrets.token_hex(16), "kernel_id": kernel_id}
+def start_unit(agent, name, replica_id=None, kernel_id="k1", gpus=0, key=None, incarnation=None):
+    kernel = {"key": key or secrets.token_hex(16), "kernel_id": kernel_id}
     if replica_id is not None:
         kernel["replica_id"] = replica_id
+    if incarnation is not None:
+        kernel["incarnation"] = incarnation
     status, unit = agent.call("POST", "/api/v1/units", {
         "name": name, "kind": "kernel", "user": current_user(), "gpus": gpus, "kernel": kernel})
     assert status == 201, unit
@@ -112,6 +114,41 @@ def test_bad_replica_id_is_refused(make_agent, bad):
         "kernel": {"key": "k", "kernel_id": "k1", "replica_id": bad}})
     assert status == 400 and "kernel.replica_id" in body["error"], body
     assert not (a.dir / "state" / "journals" / "gpuhub-kernel-k1-r0").exists()
+
+
+def test_a_kernel_created_anew_under_its_id_gets_neither_the_earlier_units_process_nor_its_journal(make_agent):
+    """A restarted kernel keeps its id and key. If a replica of the earlier kernel was left running
+    (its agent did not answer the delete), the new kernel's start under that name must not be
+    answered with it, nor start from its journal: the earlier kernel's variables would come back."""
+    a = make_agent(gpus=0)
+    name, key = "gpuhub-kernel-k1-r0", secrets.token_hex(16)
+    first = start_unit(a, name, key=key, incarnation="first")
+    (journal(a, name) / "earlier-log").write_text("x = 1")
+    assert start_unit(a, name, key=key, incarnation="first")["main_pid"] == first["main_pid"]  # a retry
+    second = start_unit(a, name, key=key, incarnation="second")
+    assert second["main_pid"] != first["main_pid"] and second["incarnation"] == "second"
+    assert journal(a, name).is_dir() and list(journal(a, name).iterdir()) == []
+    _, listed = a.call("GET", "/api/v1/units")
+    assert [(u["name"], u["incarnation"]) for u in listed["units"]] == [(name, "second")]
+    assert "earlier kernel" in (a.dir / "agent.log").read_text()
+
+
+def test_a_journal_no_unit_owns_is_not_given_to_a_new_replica(make_agent):
+    a = make_agent(gpus=0)
+    name = "gpuhub-kernel-k1-r0"
+    journal(a, name).mkdir(parents=True)
+    (journal(a, name) / "left-over").write_text("x = 1")
+    start_unit(a, name, incarnation="new")
+    assert list(journal(a, name).iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [1, "a b", "../x", "x" * 65, None])
+def test_a_bad_incarnation_is_refused(make_agent, bad):
+    a = make_agent(gpus=0)
+    status, body = a.call("POST", "/api/v1/units", {
+        "name": "gpuhub-kernel-k1-r0", "kind": "kernel", "user": current_user(),
+        "kernel": {"key": "k", "kernel_id": "k1", "incarnation": bad}})
+    assert status == 400 and "kernel.incarnation" in body["error"], body
 
 
 # --- agent: PUT /api/v1/units/{name}/peers -----------------------------------------------------------
@@ -235,7 +272,7 @@ def _hand_unit_to(agent, name, pid):
 def test_agent_restart_keeps_replica_id_connection_and_journal(make_agent, lose_state_file):
     a = make_agent(gpus=1)
     live, dead = "gpuhub-kernel-k1-r2", "gpuhub-kernel-k2-r0"
-    unit = start_unit(a, live, replica_id=2, gpus=1)
+    unit = start_unit(a, live, replica_id=2, gpus=1, incarnation="first")
     start_unit(a, dead, kernel_id="k2")
     stand_in = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
@@ -248,7 +285,7 @@ def test_agent_restart_keeps_replica_id_connection_and_journal(make_agent, lose_
         status, again = a.call("GET", f"/api/v1/units/{live}")
         assert status == 200 and again["state"] == "active", again
         assert again["replica_id"] == 2 and again["connection"] == unit["connection"]
-        assert again["kernel_id"] == "k1" and again["gpus"] == 1
+        assert again["kernel_id"] == "k1" and again["gpus"] == 1 and again["incarnation"] == "first"
         assert journal(a, live).is_dir()
         # The dead replica is forgotten with its journal: nothing will ever start it again.
         assert a.call("GET", f"/api/v1/units/{dead}")[0] == 404
@@ -291,6 +328,9 @@ def test_scheduler_starts_three_replicas_that_know_each_other(cluster):
         assert [{k: p[k] for k in ("id", "node", "raft", "blob")} for p in peers["replicas"]] == expected
         assert [p["connection"] for p in peers["replicas"]] == [x["connection"] for x in reps]
         assert journal(agent, r["unit"]).is_dir()
+    # one creation of the kernel: every replica carries its nonce (a restart under the id gets another)
+    incarnations = {unit_env(dev.agent(r["node"]), r["unit"])["GPUHUB_KERNEL_INCARNATION"] for r in reps}
+    assert len(incarnations) == 1 and len(incarnations.pop()) == 16
 
     status, view = dev.scheduler_call("GET", f"/api/v1/kernels/{kid}")
     assert status == 200

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from gpuhub.platform.http_client import ApiClientError
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import KernelRecord, NodeRecord, ReplicaRecord, Scheduler
 
@@ -34,6 +35,7 @@ def stub_agents(s: Scheduler, monkeypatch, before_start=None) -> tuple[list[str]
 
     async def stop(rep):
         stopped.append(rep.node)
+        return True
 
     async def peers(rec):
         return None
@@ -141,9 +143,12 @@ class AgentBooks:
     def __init__(self, units: dict[str, list[dict]]) -> None:
         self.units = units  # node -> unit views
         self.deleted: list[tuple[str, str]] = []
+        self.down: set[str] = set()  # nodes whose agent does not answer
 
     async def __call__(self, method: str, url: str, token: str, body=None, timeout: float = 20.0):
         node = url.split("//", 1)[1].split(".invalid", 1)[0]
+        if node in self.down:
+            raise ApiClientError(0, "connection refused", url)
         if method == "GET" and url.endswith("/api/v1/units"):
             return 200, {"units": self.units[node]}
         if method == "DELETE":
@@ -173,12 +178,22 @@ async def test_a_kernel_whose_units_exited_cleanly_is_forgotten_and_its_units_dr
     assert "k1" not in s.kernels and len(books.deleted) == 3
 
 
-def running_kernel_k1(tmp_path) -> tuple[Scheduler, AgentBooks]:
-    """A scheduler with kernel k1's three replicas running on a, b and c, and those agents' books."""
-    s = scheduler_with(tmp_path, live=["a", "b", "c"], lost=[])
+def running_kernel_k1(tmp_path, live=("a", "b", "c")) -> tuple[Scheduler, AgentBooks]:
+    """A scheduler with kernel k1's three replicas running on a, b and c (of the servers ``live``),
+    and those agents' books."""
+    s = scheduler_with(tmp_path, live=list(live), lost=[])
     s.kernels["k1"] = kernel(["a", "b", "c"])
-    return s, AgentBooks({n: [{"name": f"gpuhub-kernel-k1-r{i}", "kind": "kernel", "kernel_id": "k1",
-                               "user": "alice", "replica_id": i, "state": "active"}] for i, n in enumerate("abc")})
+    s.kernels["k1"].incarnation = "first"
+    books = AgentBooks({n: [] for n in live})
+    for i, n in enumerate("abc"):
+        books.units[n] = [unit_view(i, "first")]
+    return s, books
+
+
+def unit_view(replica_id: int, incarnation: str) -> dict:
+    """A replica unit of k1 as its agent lists it."""
+    return {"name": f"gpuhub-kernel-k1-r{replica_id}", "kind": "kernel", "kernel_id": "k1", "user": "alice",
+            "gpus": 1, "replica_id": replica_id, "state": "active", "incarnation": incarnation}
 
 
 async def test_a_kernel_deleted_while_a_reconcile_lists_its_units_is_not_adopted_again(tmp_path, monkeypatch):
@@ -229,6 +244,60 @@ async def test_a_kernel_whose_delete_is_stopping_its_units_is_not_adopted_by_a_r
     assert await deleting
     assert "k1" not in s.kernels
     assert sorted(books.deleted) == [(n, f"gpuhub-kernel-k1-r{i}") for i, n in enumerate("abc")]
+
+
+async def test_a_deleted_kernels_replica_whose_server_did_not_answer_is_stopped_when_it_is_back(
+        tmp_path, monkeypatch):
+    """Without this the next reconcile adopts the kernel back from that replica, key and all."""
+    import gpuhub.scheduler.service as service
+
+    s, books = running_kernel_k1(tmp_path)
+    monkeypatch.setattr(service, "call_json", books)
+    books.down.add("a")
+    assert await s.delete_kernel("k1")
+    assert sorted(books.deleted) == [("b", "gpuhub-kernel-k1-r1"), ("c", "gpuhub-kernel-k1-r2")]
+    again = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=5), agent_token="t")
+    again.load()  # a scheduler restarted meanwhile remembers it too
+    again.nodes = s.nodes
+    await again.reconcile()  # "a" still down: nothing to do
+    books.down.clear()
+    await again.reconcile()
+    assert "k1" not in again.kernels
+    assert ("a", "gpuhub-kernel-k1-r0") in books.deleted and books.units["a"] == []
+    assert again._unstopped == {}
+
+
+async def test_a_replica_of_an_earlier_kernel_under_the_id_is_stopped_and_the_new_ones_kept(tmp_path, monkeypatch):
+    """A restart creates the kernel anew under its id; a replica of the earlier one whose server did
+    not answer the delete has the same unit name as one of the new kernel's on another server."""
+    import gpuhub.scheduler.service as service
+
+    s, books = running_kernel_k1(tmp_path, live=("a", "b", "c", "d"))
+    books.units["d"] = [unit_view(0, "earlier")]  # replica 0 of the earlier kernel, on d
+    monkeypatch.setattr(service, "call_json", books)
+    await s.reconcile()
+    assert books.deleted == [("d", "gpuhub-kernel-k1-r0")]
+    record = s.kernels["k1"]
+    assert [(r.node, r.unit, r.state) for r in record.replicas] == [
+        (n, f"gpuhub-kernel-k1-r{i}", "active") for i, n in enumerate("abc")]
+
+
+def test_the_books_keep_incarnations_beside_the_records_and_load_records_with_fields_they_do_not_know(tmp_path):
+    """A rollback runs the previous release on this release's books, and the other way round."""
+    import json
+
+    s, _ = running_kernel_k1(tmp_path)
+    s._unstopped[("d", "gpuhub-kernel-k2-r0")] = "gone-kernel"
+    s.save()
+    books = json.loads((tmp_path / "books.json").read_text())
+    assert "incarnation" not in books["kernels"]["k1"] and books["incarnations"] == {"k1": "first"}
+    books["kernels"]["k1"]["added_later"] = 1
+    books["kernels"]["k1"]["replicas"][0]["added_later"] = 2
+    (tmp_path / "books.json").write_text(json.dumps(books))
+    again = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=5), agent_token="t")
+    again.load()
+    assert again.kernels["k1"].incarnation == "first" and len(again.kernels["k1"].replicas) == 3
+    assert again._unstopped == {("d", "gpuhub-kernel-k2-r0"): "gone-kernel"}
 
 
 async def test_a_drain_is_kept_across_heartbeats_and_restarts_and_moves_one_replica_at_a_time(tmp_path, monkeypatch):
