@@ -280,6 +280,8 @@ class Replica:
         while not self._closing.wait(interval_s):
             try:
                 self.reload_peers()
+                if self.raft.ready:  # whoever leads next sends newcomers its snapshot: keep it current
+                    self.raft.snapshot_members()
                 # One change at a time (remove, then add), each as soon as the last committed: a
                 # cell may be waiting for the new member (a migration).
                 while self.raft.is_leader and not self._closing.is_set():

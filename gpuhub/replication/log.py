@@ -254,6 +254,7 @@ class RaftGroup:
         raft_guard.install()  # a stranger's bytes are bounded before they authenticate
         journal_space.install()  # a full disk stops this replica cleanly, never with a SIGBUS
         self._sync = SyncObj(self_addr, peer_addrs, conf=conf, consumers=[self.log])
+        self._snapshot_members: set[str] | None = None  # the members the last snapshot_members() wrote
         self._sync.addOnTickCallback(self._tick_again_when_alone)
         if journal_dir:
             _private_journal(journal_dir)  # again: pysyncobj has created its files now
@@ -393,6 +394,13 @@ class RaftGroup:
             what, addr, change = "remove", gone[0], self._sync.removeNodeFromCluster
         elif new:
             what, addr, change = "add", new[0], self._sync.addNodeToCluster
+            # The newcomer catches up from this leader's snapshot when the log it needs is
+            # compacted away, and takes the snapshot's member list as its group until it applies
+            # the entries after it: a snapshot older than the members it must hear from leaves it
+            # deaf to them for good (see snapshot_members).
+            if not self.snapshot_members():
+                raise RaftUnavailable(f"membership change ({what} {addr}) not begun: this replica's "
+                                      "snapshot could not be brought up to date")
         else:
             return None
         done = threading.Event()
@@ -417,6 +425,40 @@ class RaftGroup:
     def compact_log(self) -> None:
         """Snapshot the state now (pysyncobj does it by itself as the log grows)."""
         self._sync.forceLogCompaction()
+
+    def snapshot_members(self, timeout_s: float = 5.0) -> bool:
+        """Make sure this replica's snapshot names the members it has now; False if a snapshot
+        was needed and not written within ``timeout_s``.
+
+        A snapshot carries the member list of its time, and pysyncobj gives a replica that loads
+        one (a newcomer catching up) exactly that group: it drops every other peer and refuses
+        their connections until later log entries add them back. A replica keeps the snapshot it
+        joined with until it compacts its own log (5 minutes on), so after a few replacements in
+        a row the leader's snapshot may name none of the members now running: a newcomer that
+        loaded it heard nobody again and never joined (seen after three drains of a kernel's
+        servers, then a lost one). Snapshotting whenever the members changed keeps the list
+        current wherever a newcomer gets it from.
+        """
+        members = self.members | {self.address}
+        if members == self._snapshot_members:
+            return True
+        sync = self._sync
+        # pysyncobj names a snapshot by the entry before the last applied one, and writes none
+        # when that one has one already (the members it lists are then those of now).
+        due = sync._SyncObj__raftLastApplied - 1
+        if not self._snapshot_covers(due):
+            sync.forceLogCompaction()
+            deadline = time.monotonic() + timeout_s
+            while not self._snapshot_covers(due):
+                if time.monotonic() >= deadline or self.stopped:
+                    return False
+                time.sleep(0.01)
+        self._snapshot_members = members
+        return True
+
+    def _snapshot_covers(self, index: int) -> bool:
+        written = self._sync._SyncObj__lastSerializedEntry
+        return written is not None and written >= index
 
     def destroy(self) -> None:
         """Ask pysyncobj's thread to stop (see :attr:`stopped`)."""
