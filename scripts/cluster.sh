@@ -280,9 +280,13 @@ write_inventory() {
     echo "# Containers are small: keep the limits modest."
     echo "gpuhub_agent_kernel_memory_max: 2G"
     echo "gpuhub_agent_server_memory_max: 2G"
-    echo "# Alerts go to a webhook the cluster tests listen on; the watchdog comes every minute."
-    echo "alertmanager_webhook_urls: [\"http://127.0.0.1:9099/alerts\"]"
-    echo "alertmanager_watchdog_url: http://127.0.0.1:9099/watchdog"
+    if [ "$NAME" = demo ]; then
+      echo "# Alerts show in Prometheus and Alertmanager only: set alertmanager_webhook_urls to send them."
+    else
+      echo "# Alerts go to a webhook the cluster tests listen on; the watchdog comes every minute."
+      echo "alertmanager_webhook_urls: [\"http://127.0.0.1:9099/alerts\"]"
+      echo "alertmanager_watchdog_url: http://127.0.0.1:9099/watchdog"
+    fi
     echo "alertmanager_group_wait: 1s"
     echo "alertmanager_group_interval: 10s"
     echo "alertmanager_repeat_interval: 1m"
@@ -329,9 +333,10 @@ cmd_info() {
   hub=$(ip_of "$HUB")
   echo
   echo "gpuhub cluster '$NAME'"
-  echo "  JupyterHub:  https://$hub/   (certificate of the cluster CA: .cache/$NAME/credentials/tls/ca.crt)"
-  echo "  Prometheus:  http://$hub:9090/"
-  echo "  Grafana:     http://$hub:3000/   (if the grafana package could be installed)"
+  echo "  JupyterHub:  https://$hub/   (certificate of the cluster CA: $inv/credentials/tls/ca.crt)"
+  echo "  Prometheus:  http://$hub:9090/classic/alerts   (and /classic/targets)"
+  echo "  Grafana:     not installed here (no registry the containers reach has it); the dashboards it"
+  echo "               would show: roles/grafana/files/dashboards/ (import them into any Grafana)"
   echo "  hosts:      " "$(for h in $(hosts); do printf '%s=%s ' "$h" "$(ip_of "$h")"; done)"
   echo "  users (password files under $inv/credentials/users/):"
   local f

@@ -30,5 +30,8 @@ def open_inventory(backend: str = "auto", fake: list[dict] | None = None, node_n
             if backend == "nvml":
                 raise GpuConfigError(f"gpus.backend is 'nvml' but NVML is unavailable: {exc}") from exc
             log.info("NVML unavailable (%s)", exc)
-    log.warning("no GPUs on this node: serving CPU-only kernels")
+    if backend == "none":  # a host that serves notebooks only
+        log.info("no GPU inventory on this node (gpus.backend is 'none')")
+    else:
+        log.warning("no GPUs on this node: serving CPU-only kernels")
     return NoGpus()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from urllib.parse import quote, urlparse
 
 from batchspawner import BatchSpawnerBase, JobStatus
+from tornado import web
 from traitlets import Bool, Dict, List, Unicode, default
 
 from gpuhub.platform.config import ConfigError, read_secret
@@ -112,6 +113,17 @@ class GpuhubSpawner(BatchSpawnerBase):
     @default("default_url")
     def _default_default_url(self):
         return "/lab"
+
+    @default("apply_user_options")
+    def _default_apply_user_options(self):
+        # JupyterHub asks what the form's options do before the spawn (else it warns that they
+        # are unhandled): the profile is read at start, so an unknown one is refused here, at once.
+        def check_profile(spawner: GpuhubSpawner, user_options: dict) -> None:
+            try:
+                spawner.profile()
+            except ValueError as exc:  # a profile that is not offered: the user sees which are
+                raise web.HTTPError(400, "%s", str(exc)) from None
+        return check_profile
 
     # --- the profile form ----------------------------------------------------
     def _options_form_default(self):

@@ -47,16 +47,18 @@ class _StderrHandler(logging.StreamHandler):
 def access_log(logger: logging.Logger, quiet_paths: tuple[str, ...] = ()):
     """A tornado ``log_function``: one line per request, method, path (no query), status and time.
 
-    Never headers or bodies (tokens, kernel keys). ``quiet_paths`` answered 200 (metrics scrapes,
-    heartbeats) go to DEBUG so they do not drown the log; refused requests are rate-limited per status
-    (a flood of bad tokens is a few lines, not one each).
+    Never headers or bodies (tokens, kernel keys). Reads that succeeded (each running kernel's
+    server polls its state every few seconds, and the scheduler its units) and ``quiet_paths``
+    answered 200 (heartbeats) go to DEBUG so they do not drown the log: INFO says what changed.
+    Refused requests are rate-limited per status (a flood of bad tokens is a few lines, not one each).
     """
     limiter = LogLimiter()
 
     def log_request(handler: RequestHandler) -> None:
         status = handler.get_status()
         level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
-        if status == 200 and handler.request.path in quiet_paths:
+        read = status < 400 and handler.request.method in ("GET", "HEAD")
+        if read or (status == 200 and handler.request.path in quiet_paths):
             level = logging.DEBUG
         if status >= 400 and not limiter.allow(f"answered {status}", logger, level):
             return

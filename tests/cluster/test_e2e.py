@@ -836,7 +836,8 @@ def every_gpu_node_heartbeats(cluster) -> None:
     back = time.time()
 
     def heartbeated_since():  # the scheduler's view of every node is fresh, as `gpuhub nodes` shows it
-        listing = json.loads(cluster.exec(cluster.groups["hub"][0], "/opt/gpuhub/venv/bin/gpuhub", "nodes", "--json"))
+        # as the docs have admins run it: `sudo gpuhub ...`, found on the PATH
+        listing = json.loads(cluster.exec(cluster.groups["hub"][0], "sudo", "gpuhub", "nodes", "--json"))
         seen = {n["node"]: n["last_seen"] for n in listing["nodes"] if n["live"]}
         return all(seen.get(n, 0) > back for n in nodes)
     assert wait_for(heartbeated_since, 60, interval=1), "not every GPU node heartbeated to the scheduler"

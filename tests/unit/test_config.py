@@ -189,5 +189,9 @@ def test_access_log_has_method_path_status_and_never_the_query_or_headers(caplog
         log(SimpleNamespace(get_status=lambda: 201, request=request))
         request.path = "/metrics"
         log(SimpleNamespace(get_status=lambda: 200, request=request))
+        request.method, request.path = "GET", "/api/v1/kernels/k1"  # a server's poll of its kernel
+        log(SimpleNamespace(get_status=lambda: 200, request=request))
+        log(SimpleNamespace(get_status=lambda: 404, request=request))
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.INFO, "201 POST /api/v1/units 12.3ms"), (logging.DEBUG, "200 POST /metrics 12.3ms")]
+        (logging.INFO, "201 POST /api/v1/units 12.3ms"), (logging.DEBUG, "200 POST /metrics 12.3ms"),
+        (logging.DEBUG, "200 GET /api/v1/kernels/k1 12.3ms"), (logging.WARNING, "404 GET /api/v1/kernels/k1 12.3ms")]

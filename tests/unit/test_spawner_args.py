@@ -72,3 +72,22 @@ def test_servers_never_add_ipykernels_own_python3_kernelspec(tmp_path):
     config = KVArgParseConfigLoader([a for a in SERVER_ARGS if a.startswith("--KernelSpecManager.")]).load_config()
     assert KernelSpecManager(kernel_dirs=[str(tmp_path)]).find_kernel_specs() != {}  # the default adds it
     assert KernelSpecManager(config=config, kernel_dirs=[str(tmp_path)]).find_kernel_specs() == {}
+
+
+async def test_the_forms_profile_is_checked_before_the_spawn_and_not_reported_unhandled(caplog):
+    """JupyterHub 5.3+ runs apply_user_options first; without one it logged "Received unhandled
+    user_options ... profile" on every spawn."""
+    import logging
+
+    import pytest
+
+    from gpuhub.hub.spawner import GpuhubSpawner
+
+    spawner = GpuhubSpawner()
+    spawner.user_options = {"profile": "gpu1"}
+    with caplog.at_level(logging.WARNING):
+        await spawner._run_apply_user_options(spawner.user_options)
+    assert not [r for r in caplog.records if "unhandled" in r.getMessage()]
+    spawner.user_options = {"profile": "gpu99"}
+    with pytest.raises(Exception, match="gpu99"):
+        await spawner._run_apply_user_options(spawner.user_options)
