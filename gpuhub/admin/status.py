@@ -138,10 +138,16 @@ def kernels(sched: Scheduler, args=None) -> tuple[dict, str]:
         body = {"kernels": [k for k in body["kernels"] if k["user"] == user]}
     now = time.time()
     rows = [(k["kernel_id"], k["user"], k["gpus"],
-             ", ".join(f"{r['node']}({r.get('state', '?')})" for r in k["replicas"]),
+             ", ".join(f"{r['node']}({r.get('state', '?')}{restarted(r)})" for r in k["replicas"]),
              age(k.get("created_at"), now))
             for k in sorted(body["kernels"], key=lambda k: (k["user"], k.get("created_at", 0)))]
     return body, table(("kernel", "user", "gpus", "replicas", "age"), rows)
+
+
+def restarted(replica: dict) -> str:
+    """", restarted N×" for a replica whose unit failed and systemd started again."""
+    n = replica.get("restarts") or 0
+    return f", restarted {n}×" if isinstance(n, int) and n > 0 else ""
 
 
 def leases(sched: Scheduler, args=None) -> tuple[dict, str]:

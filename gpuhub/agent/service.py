@@ -203,13 +203,14 @@ class Agent:
         }
 
     # --- units ---------------------------------------------------------------
-    def unit_view(self, u: UnitRecord, state: str | None = None, pid: int | None = None) -> dict:
+    def unit_view(self, u: UnitRecord, state: str | None = None, pid: int | None = None, restarts: int = 0) -> dict:
         d = asdict(u)
         d.pop("lease_token_sha256")
         d["node"] = self.config.node_name
         if state is not None:
             d["state"] = state
             d["main_pid"] = pid
+            d["restarts"] = restarts
         return d
 
     def kernel_command(self, conn_path: Path) -> list[str]:
@@ -437,7 +438,7 @@ class Agent:
         if u is None:
             return None
         st = await self.runner.status(name)
-        view = self.unit_view(u, st.state, st.main_pid)
+        view = self.unit_view(u, st.state, st.main_pid, st.restarts)
         if with_error:
             view["error"] = None if st.active else await self.unit_error(name)
         return view

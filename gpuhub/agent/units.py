@@ -59,6 +59,7 @@ class UnitStatus:
     state: str  # active | activating | inactive | failed | gone
     main_pid: int | None
     user: str | None
+    restarts: int = 0  # times systemd started it again after it failed (Restart=on-failure)
 
 
 # Every kernel and server unit (docs/security.md): other users' processes and homes out of sight, no
@@ -239,14 +240,17 @@ class SystemdRunner:
 
     async def status(self, name: str) -> UnitStatus:
         out = await self._run(
-            "systemctl", "show", name, "--property=ActiveState,MainPID,User,LoadState", check=False
+            "systemctl", "show", name, "--property=ActiveState,MainPID,User,LoadState,NRestarts", check=False
         )
         props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
         if props.get("LoadState") in (None, "not-found"):
             return UnitStatus(name, False, "gone", None, None)
         state = props.get("ActiveState", "inactive")
         pid = int(props.get("MainPID", "0") or 0) or None
-        return UnitStatus(name, state in ("active", "activating", "reloading"), state, pid, props.get("User") or None)
+        restarts = props.get("NRestarts", "")
+        restarts = int(restarts) if restarts.isdigit() else 0
+        return UnitStatus(name, state in ("active", "activating", "reloading"), state, pid, props.get("User") or None,
+                          restarts)
 
     async def log_tail(self, name: str, lines: int) -> str:
         """The last ``lines`` lines of the unit's journal (its stdout and stderr, systemd's notes)."""

@@ -35,6 +35,10 @@ REPLICA_SUFFIX = re.compile(r"-r(\d+)$")
 # Restart= shows "activating" while it restarts one; "gone": the agent no longer has the unit).
 DEAD_UNIT_STATES = frozenset({"gone", "failed", "inactive"})
 CHANGED_KEPT_S = 300.0  # how long a created or deleted kernel's id is remembered against stale unit listings
+# A replica whose unit systemd has started again this often keeps failing there (a replica that
+# cannot join its group exits after its ready timeout, 2 minutes, too slowly for systemd's start
+# limit): it is replaced like a dead one.
+REPLICA_RESTARTS_LOST = 3
 # A migration asks at most this many candidate servers whether they can still grant.
 MIGRATION_CANDIDATES = 3
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
@@ -81,10 +85,13 @@ class ReplicaRecord:
     state: str = "unknown"  # the unit's state when the scheduler last asked its agent
     dead_since: float = 0.0  # when its unit was first seen dead (DEAD_UNIT_STATES); 0: not dead
     error: str | None = None  # a dead unit's last log lines, from its agent (why it exited)
+    restarts: int = 0  # times systemd started the unit again after it failed, as its agent last said
 
-    def note_state(self, state: str, now: float, error: str | None = None) -> None:
+    def note_state(self, state: str, now: float, error: str | None = None, restarts: int | None = None) -> None:
         """Record what the agent said; "unknown"/"unreachable" say nothing about the unit itself."""
         self.state = state
+        if isinstance(restarts, int) and not isinstance(restarts, bool):
+            self.restarts = restarts
         if state in DEAD_UNIT_STATES:
             self.dead_since = self.dead_since or now
             self.error = error or self.error
@@ -132,9 +139,12 @@ class KernelRecord:
 
     def books(self) -> dict:
         """Its entry in the books, without the incarnation, which the books keep beside the
-        records: releases before it read each with ``KernelRecord(**entry)`` (a rollback)."""
+        records, nor its replicas' restart counts (the agents say them again): releases before
+        them read each with ``KernelRecord(**entry)`` and ``ReplicaRecord(**replica)`` (a rollback)."""
         v = asdict(self)
         del v["incarnation"]
+        for r in v["replicas"]:
+            del r["restarts"]
         return v
 
     @classmethod
@@ -577,6 +587,8 @@ class Scheduler:
             return f"node {rep.node} was lost"
         if rep.dead_since and now - rep.dead_since >= self.config.replica_dead_grace_s:
             return f"its unit on {rep.node} is {rep.state}"
+        if rep.restarts >= REPLICA_RESTARTS_LOST:
+            return f"its unit on {rep.node} failed and was restarted {rep.restarts} times"
         return None
 
     async def heal(self) -> None:
@@ -625,14 +637,20 @@ class Scheduler:
                                "lost replicas cannot be replaced")
             return False
         for rep, why in lost:
-            # Never two replicas on one node; the node of a replica whose unit died may take the new one.
+            # Never two replicas on one node; the node of a replica whose unit died may take the new
+            # one, that of one that kept failing there only when no other can.
             others = [r.node for r in record.replicas if r is not rep and self.why_lost(r, time.time()) is None]
-            try:
-                target = place_replicas(self.node_views(), record.gpus, len(record.replicas),
-                                        self.config.max_subscription_ratio, exclude=others, count=1,
-                                        pack=self.pool is not None)[0]
-            except PlacementError as exc:
-                self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {exc}")
+            tries = [[*others, rep.node], others] if rep.restarts >= REPLICA_RESTARTS_LOST else [others]
+            for exclude in tries:
+                try:
+                    target = place_replicas(self.node_views(), record.gpus, len(record.replicas),
+                                            self.config.max_subscription_ratio, exclude=exclude, count=1,
+                                            pack=self.pool is not None)[0]
+                    break
+                except PlacementError as exc:
+                    failed = exc
+            else:
+                self._note(record, f"replica {rep.id} ({why}) cannot be replaced yet: {failed}")
                 return False
             if not await self._move_replica(record, rep, target.name, why):
                 return False
@@ -881,7 +899,8 @@ class Scheduler:
         try:
             _, unit = await self.call_agent(node, "GET", f"/api/v1/units/{rep.unit}", timeout=5)
             error = unit.get("error")
-            rep.note_state(unit.get("state", "unknown"), time.time(), error[-4000:] if isinstance(error, str) else None)
+            rep.note_state(unit.get("state", "unknown"), time.time(), error[-4000:] if isinstance(error, str) else None,
+                           unit.get("restarts"))
         except ApiClientError as exc:
             rep.note_state("gone" if exc.status == 404 else "unreachable", time.time())
 
@@ -936,7 +955,7 @@ class Scheduler:
                                                       id=rid if isinstance(rid, int) else -1,
                                                       state=u.get("state", "unknown")))
                 else:
-                    known.note_state(u.get("state", known.state), time.time())
+                    known.note_state(u.get("state", known.state), time.time(), restarts=u.get("restarts"))
         await self._recover_keys(seen)
         now = time.time()
         for kid, rec in list(self.kernels.items()):

@@ -102,6 +102,27 @@ def test_systemd_backend_refuses_root(tmp_path):
         asyncio.run(runner.start(UnitSpec("gpuhub-kernel-x", "kernel", "no-such-user-xyz", ["/bin/true"], {}, "")))
 
 
+def test_systemd_status_says_how_often_systemd_restarted_a_unit(tmp_path, monkeypatch):
+    """A replica that cannot join its group exits every 2 minutes and is started again: "active"
+    most of the time, so the restart count is what tells the scheduler (REPLICA_RESTARTS_LOST)."""
+    import asyncio
+
+    from gpuhub.agent.units import SystemdRunner
+
+    runner = SystemdRunner(str(tmp_path), min_uid=1000)
+    shown = "ActiveState=active\nMainPID=4321\nUser=alice\nLoadState=loaded\nNRestarts=5\n"
+
+    async def show(*argv, check=True):
+        assert any("NRestarts" in a for a in argv)
+        return shown
+
+    monkeypatch.setattr(runner, "_run", show)
+    st = asyncio.run(runner.status("gpuhub-kernel-k1-r0"))
+    assert (st.active, st.state, st.main_pid, st.user, st.restarts) == (True, "active", 4321, "alice", 5)
+    shown = "ActiveState=active\nMainPID=4321\nUser=alice\nLoadState=loaded\nNRestarts=[not set]\n"
+    assert asyncio.run(runner.status("gpuhub-kernel-k1-r0")).restarts == 0
+
+
 def test_lease_limited_to_placed_gpus(make_agent):
     a = make_agent(gpus=2)
     start_unit(a, gpus=1)

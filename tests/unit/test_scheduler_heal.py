@@ -282,6 +282,45 @@ async def test_a_replica_of_an_earlier_kernel_under_the_id_is_stopped_and_the_ne
         (n, f"gpuhub-kernel-k1-r{i}", "active") for i, n in enumerate("abc")]
 
 
+# What the release before incarnations and restart counts reads with ReplicaRecord(**entry).
+PREVIOUS_REPLICA_FIELDS = {"node", "unit", "connection", "id", "state", "dead_since", "error"}
+
+
+async def test_a_replica_whose_unit_keeps_failing_and_restarting_is_replaced(tmp_path, monkeypatch):
+    """A replica that cannot join its group exits after its ready timeout (2 minutes) and systemd
+    starts it again, too slowly for systemd's start limit: "active" between tries, never of use.
+    Its agent says how often systemd restarted it; from the third time on it is replaced."""
+    import gpuhub.scheduler.service as service
+
+    s, books = running_kernel_k1(tmp_path, live=("a", "b", "c", "d"))
+    books.units["c"][0]["restarts"] = 2
+    monkeypatch.setattr(service, "call_json", books)
+    await s.reconcile()
+    record = s.kernels["k1"]
+    now = time.time()
+    assert [s.why_lost(r, now) for r in record.replicas] == [None, None, None]
+    books.units["c"][0]["restarts"] = 3
+    await s.reconcile()
+    assert [s.why_lost(r, now) for r in record.replicas] == [
+        None, None, "its unit on c failed and was restarted 3 times"]
+    started, stopped = stub_agents(s, monkeypatch)
+    await s.heal()
+    assert started == ["d"] and stopped == ["c"]  # not on c again, where it kept failing
+
+
+async def test_a_replica_that_kept_failing_is_replaced_on_its_own_server_when_no_other_can_take_it(
+        tmp_path, monkeypatch):
+    import gpuhub.scheduler.service as service
+
+    s, books = running_kernel_k1(tmp_path)
+    books.units["c"][0]["restarts"] = 3
+    monkeypatch.setattr(service, "call_json", books)
+    await s.reconcile()
+    started, stopped = stub_agents(s, monkeypatch)
+    await s.heal()
+    assert started == ["c"] and stopped == ["c"]
+
+
 def test_the_books_keep_incarnations_beside_the_records_and_load_records_with_fields_they_do_not_know(tmp_path):
     """A rollback runs the previous release on this release's books, and the other way round."""
     import json
@@ -291,6 +330,7 @@ def test_the_books_keep_incarnations_beside_the_records_and_load_records_with_fi
     s.save()
     books = json.loads((tmp_path / "books.json").read_text())
     assert "incarnation" not in books["kernels"]["k1"] and books["incarnations"] == {"k1": "first"}
+    assert all(set(r) <= PREVIOUS_REPLICA_FIELDS for r in books["kernels"]["k1"]["replicas"])
     books["kernels"]["k1"]["added_later"] = 1
     books["kernels"]["k1"]["replicas"][0]["added_later"] = 2
     (tmp_path / "books.json").write_text(json.dumps(books))
