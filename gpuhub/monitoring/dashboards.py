@@ -126,9 +126,36 @@ def st(
     return _targets(p, [(expr, "__auto")], instant=instant)
 
 
+#: Seconds between two samples of the gpuhub-gpus recording rules (prometheus_gpuhub_rules_interval),
+#: as Prometheus itself reports it: the prometheus role always scrapes Prometheus (job "prometheus"),
+#: and the rule_group label is "<rules file>;<group>". Read from Prometheus rather than written
+#: here because the interval is a role variable the dashboard JSON cannot know; last_over_time over
+#: the range (not the instant value) so a range ending in the past still finds it; max() over
+#: rules-file paths (a moved file leaves a second series).
+RULES_INTERVAL_S = (
+    'scalar(max(last_over_time(prometheus_rule_group_interval_seconds{rule_group=~".*;gpuhub-gpus"}[$__range])))'
+)
+
+
 def gpu_hours(rule: str) -> str:
-    """GPU-hours of a GPU-count series over the dashboard's time range (mean GPUs x hours)."""
-    return f"avg_over_time({rule}[$__range]) * $__range_s / 3600"
+    """GPU-hours of a GPU-count recording rule (group gpuhub-gpus) over the dashboard's time range.
+
+    Each sample of the rule stands for one evaluation interval, so the GPU-seconds are the sum of
+    the samples that exist times that interval. Not avg_over_time(rule[$__range]) * $__range_s:
+    that extrapolates the mean over the whole range, also over the part where Prometheus has no
+    data (a young Prometheus, a range reaching before its retention, an outage), and inflates the
+    figure by range / time covered."""
+    return f"sum_over_time({rule}[$__range]) * {RULES_INTERVAL_S} / 3600"
+
+
+def saved_share() -> str:
+    """Saved / reserved-equivalent GPU-hours over the range (the interval cancels out), rounded
+    down to the panel's 0.1 %: a share of 99.97 % (some committed GPU-hours) reads 99.9 %, never
+    100 %, which only a range with nothing committed at all shows. (+1e-9: a float quotient like
+    0.29999999999999993 still reads 30.0 %.)"""
+    saved = "sum_over_time(cluster:gpuhub_gpus_saved:sum[$__range])"
+    reserved = "sum_over_time(cluster:gpuhub_gpus_reserved_equivalent:sum[$__range])"
+    return f"floor(1000 * {saved} / ({reserved} > 0) + 1e-9) / 1000"
 
 
 # --------------------------------------------------------------------------- dashboards
@@ -265,21 +292,24 @@ def cluster_gpus() -> dash.Dashboard:
 
     # ---- GPU-hours
     d = d.with_row(dash.Row("GPU-hours: per-cell binding vs reserving a GPU per session"))
+    # GPU-hours stats: no fixed decimals. Grafana's automatic decimals keep two significant digits
+    # (0.0167, 0.2, 7.33, 1187), where a fixed 1 showed a few minutes of one GPU as 0.0.
     d = d.with_panel(st("Reserved-equivalent GPU-hours", gpu_hours("cluster:gpuhub_gpus_reserved_equivalent:sum"),
-                        unit="short", decimals=1, w=6,
+                        unit="short", w=6,
                         description="GPU-hours a reservation system would have held for the same kernels over the "
-                                    "time range (pending / replicas, i.e. every kernel's GPUs once)."))
+                                    "time range (pending / replicas, i.e. every kernel's GPUs once). Only the time "
+                                    "Prometheus has data for counts."))
     d = d.with_panel(st("Committed GPU-hours", gpu_hours("cluster:gpuhub_gpus_committed:sum"),
-                        unit="short", decimals=1, w=6,
-                        description="GPU-hours GPUs were actually bound to executing cells."))
+                        unit="short", w=6,
+                        description="GPU-hours GPUs were actually bound to executing cells over the time range."))
     d = d.with_panel(st("GPU-hours saved", gpu_hours("cluster:gpuhub_gpus_saved:sum"),
-                        unit="short", decimals=1, w=6,
+                        unit="short", w=6,
                         description="Reserved-equivalent minus committed GPU-hours: GPUs free for other kernels."))
     d = d.with_panel(st(
-        "Saved share",
-        f"({gpu_hours('cluster:gpuhub_gpus_saved:sum')}) "
-        f"/ (({gpu_hours('cluster:gpuhub_gpus_reserved_equivalent:sum')}) > 0)",
+        "Saved share", saved_share(),
         unit="percentunit", decimals=1, w=6,
+        description="GPU-hours saved / reserved-equivalent GPU-hours, rounded down: 100 % only when no GPU "
+                    "was committed at all in the time range.",
     ))
     d = d.with_panel(ts(
         "GPUs: reserved-equivalent vs committed",
@@ -301,11 +331,14 @@ def cluster_gpus() -> dash.Dashboard:
                           "time), and their own weekly limit with any extra hours an admin granted.",
     ))
     d = d.with_panel(ts(
-        "Cells refused by a quota",
+        "GPU lease requests refused by a quota",
         [(f"sum by (limit) (increase(gpuhub_agent_quota_refusals_total{{{NODE}}}[$__rate_interval]))",
           "{{limit}}")],
-        w=12, description="GPU lease requests an agent refused because the user was at a limit: gpus (GPUs held "
-                          "at once) or gpu_hours (the weekly GPU-hours). Each refused cell ends with the reason.",
+        w=12, description="GPU lease requests the agents refused because the user was at a limit: gpus (GPUs held "
+                          "at once) or gpu_hours (the weekly GPU-hours). Not a count of cells: every replica of "
+                          "a kernel asks for each GPU cell, and asks again while it waits, so one refused cell "
+                          "counts several times here (gpuhub_agent_quota_refusals_total). The refused cell itself "
+                          "ends with the reason.",
     ))
 
     # ---- JupyterHub

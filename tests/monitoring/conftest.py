@@ -348,9 +348,11 @@ class Stack:
             raise ApiClientError(resp.status, resp.data.decode(errors="replace"), path)
         return resp.json()
 
-    def query(self, expr: str) -> dict:
-        """POST /api/v1/query; returns the JSON body, errors (HTTP 400/422) included."""
-        data = urllib.parse.urlencode({"query": expr}).encode()
+    def query(self, expr: str, at: float | None = None) -> dict:
+        """POST /api/v1/query (at ``at``, Unix time, else now); returns the JSON body, errors
+        (HTTP 400/422) included."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        data = urllib.parse.urlencode(params).encode()
         resp = default_client().request("POST", f"{self.url}/api/v1/query", data=data, timeout=10,
                                         headers={"Content-Type": "application/x-www-form-urlencoded"})
         return resp.json()  # bad_data / execution errors (400, 422) have a JSON body too

@@ -3,11 +3,14 @@ promtool, dashboards-as-code freshness, Grafana provisioning files. Fast; not ma
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +34,10 @@ GRAFANA_VARS = {
 }
 
 
-def substitute(expr: str) -> str:
-    for var in sorted(GRAFANA_VARS, key=len, reverse=True):
-        expr = expr.replace(var, GRAFANA_VARS[var])
+def substitute(expr: str, overrides: dict[str, str] | None = None) -> str:
+    values = {**GRAFANA_VARS, **(overrides or {})}
+    for var in sorted(values, key=len, reverse=True):
+        expr = expr.replace(var, values[var])
     left = re.findall(r"\$\{?\w+", expr)
     assert not left, f"unknown dashboard variable(s) {left} in {expr!r}: add them to GRAFANA_VARS"
     return expr
@@ -77,6 +81,24 @@ def dashboard_exprs() -> list[tuple[str, str]]:
                 expr = m.group(1)
             out.append((f"{path.name}: {where}", expr))
     return out
+
+
+def panel_of(title: str, path: Path = DASHBOARD_DIR / "gpuhub-cluster-gpus.json") -> dict:
+    (panel,) = [p for p in _panels(json.loads(path.read_text())) if p.get("title") == title]
+    return panel
+
+
+def panel_expr(title: str) -> str:
+    (target,) = panel_of(title)["targets"]
+    return target["expr"]
+
+
+#: The GPU-hours stat panels and the recording rule each integrates.
+GPU_HOURS_PANELS = {
+    "Reserved-equivalent GPU-hours": "cluster:gpuhub_gpus_reserved_equivalent:sum",
+    "Committed GPU-hours": "cluster:gpuhub_gpus_committed:sum",
+    "GPU-hours saved": "cluster:gpuhub_gpus_saved:sum",
+}
 
 
 def rules_of(stack) -> list[dict]:
@@ -146,6 +168,112 @@ def test_saved_gpu_hours_arithmetic(monitoring_stack):
     assert q("sum(gpuhub_agent_cell_gpu_wait_seconds_count)") == 0  # no cell ran through a kernel here
     # every server that heartbeats is live, the notebook host without GPUs too: "lost" alerts
     assert q('gpuhub_scheduler_nodes{state="live"}') == 4 and q('gpuhub_scheduler_nodes{state="lost"}') == 0
+
+
+def test_gpu_hours_count_only_the_time_prometheus_has_data_for(monitoring_stack):
+    """This Prometheus has held data for seconds: the GPU-hours stats over a 6-h (or 1-h) range
+    are the GPU-seconds of the samples that exist, not the mean stretched over the whole range
+    (avg_over_time(rule[6h]) * 21600 / 3600 read about 6 x 7/3 = 14 reserved-equivalent GPU-hours here)."""
+    stack = monitoring_stack
+
+    def value(expr: str, at: float) -> float:
+        body = stack.query(expr, at)
+        assert body.get("status") == "success", f"{expr!r}: {body.get('error')}"
+        (sample,) = body["data"]["result"]
+        return float(sample["value"][1])
+
+    # the dashboard finds the recording rules' interval (prometheus_gpuhub_rules_interval: 1s here)
+    at = time.time()
+    rules_interval = "scalar(max(prometheus_rule_group_interval_seconds{rule_group=~\".*;gpuhub-gpus\"}))"
+    assert value(f"vector({rules_interval})", at) == 1.0
+    started = value('process_start_time_seconds{job="prometheus"}', at)
+    for title, rule in GPU_HOURS_PANELS.items():
+        expr = panel_expr(title)
+        six_h = value(substitute(expr, {"$__range": "6h", "$__range_s": "21600"}), at)
+        one_h = value(substitute(expr, {"$__range": "1h", "$__range_s": "3600"}), at)
+        assert math.isfinite(six_h) and six_h == pytest.approx(one_h), f"{title}: {six_h} (6 h), {one_h} (1 h)"
+        # The same figure from the samples' own timestamps: each evaluation's value holds until
+        # the next one (the last for one interval).
+        (series,) = stack.query(f"{rule}[6h]", at)["data"]["result"]
+        points = [(float(t), float(v)) for t, v in series["values"]]
+        gpu_s = sum(v * (t_next - t) for (t, v), (t_next, _) in itertools.pairwise(points)) + points[-1][1] * 1.0
+        assert six_h == pytest.approx(gpu_s / 3600, rel=0.05, abs=1e-4), title
+        # never more than every GPU it ever counted, over the time since Prometheus started
+        most = max(v for _, v in points)
+        assert six_h <= most * (at - started + 1) / 3600, f"{title}: {six_h} GPU-hours in {at - started:.0f} s"
+        assert six_h > 0, title
+
+
+def test_gpu_hours_panels_with_little_data_in_a_long_range(prometheus_bins, tmp_path):
+    """The dashboard's GPU-hours panels over made-up recording-rule series, through promtool:
+    18 minutes of data in a 6-h range (a new cluster, as on the live cluster where 2 GPUs for
+    17.6 minutes read 7.33 GPU-hours), at the role's default 30 s interval; then 10 hours of data
+    with one committed sample (saved share 99.96 %, which must not read 100.0 %)."""
+    def within(title: str, range_: str, expected: float) -> dict:
+        seconds = str(int(range_.removesuffix("h")) * 3600)
+        expr = substitute(panel_expr(title), {"$__range": range_, "$__range_s": seconds})
+        return {"expr": f"abs(({expr}) - {expected!r}) < bool 1e-9", "eval_time": range_,
+                "exp_samples": [{"labels": "{}", "value": 1}]}
+
+    intervals = [  # the rule groups' intervals, as Prometheus exports them about itself
+        {"series": 'prometheus_rule_group_interval_seconds{rule_group="/etc/prometheus/rules/gpuhub.rules.yml;'
+                   'gpuhub-gpus", job="prometheus", node="hub1"}', "values": "30x1440"},
+        {"series": 'prometheus_rule_group_interval_seconds{rule_group="/etc/prometheus/rules/gpuhub.rules.yml;'
+                   'gpuhub-leases", job="prometheus", node="hub1"}', "values": "60x1440"},
+    ]
+    tests = [
+        {   # 684 intervals without data, then 36 samples (18 min): 2 reserved-equivalent GPUs, 1
+            # GPU committed during the last 6
+            "interval": "30s",
+            "input_series": [
+                *intervals,
+                {"series": "cluster:gpuhub_gpus_reserved_equivalent:sum", "values": "_x684 2x35"},
+                {"series": "cluster:gpuhub_gpus_committed:sum", "values": "_x684 0x29 1x5"},
+                {"series": "cluster:gpuhub_gpus_saved:sum", "values": "_x684 2x29 1x5"},
+            ],
+            "promql_expr_test": [
+                within("Reserved-equivalent GPU-hours", "6h", 36 * 2 * 30 / 3600),  # 0.6, not 12
+                within("Committed GPU-hours", "6h", 6 * 30 / 3600),
+                within("GPU-hours saved", "6h", 66 * 30 / 3600),
+                within("Saved share", "6h", 0.916),  # 66/72 = 91.67 %, rounded down to 0.1 %
+            ],
+        },
+        {   # 10 h of 2 reserved-equivalent GPUs in a 12-h range, one GPU committed for one sample
+            "interval": "30s",
+            "input_series": [
+                *intervals,
+                {"series": "cluster:gpuhub_gpus_reserved_equivalent:sum", "values": "_x240 2x1199"},
+                {"series": "cluster:gpuhub_gpus_committed:sum", "values": "_x240 0x1198 1"},
+                {"series": "cluster:gpuhub_gpus_saved:sum", "values": "_x240 2x1198 1"},
+            ],
+            "promql_expr_test": [
+                within("Reserved-equivalent GPU-hours", "12h", 20.0),  # 2 GPUs x 10 h
+                within("Committed GPU-hours", "12h", 30 / 3600),
+                within("Saved share", "12h", 0.999),  # 1 - 1/2400 = 99.96 %: 99.9 %, not 100.0 %
+            ],
+        },
+        {   # nothing committed at all: 100 %
+            "interval": "30s",
+            "input_series": [
+                *intervals,
+                {"series": "cluster:gpuhub_gpus_reserved_equivalent:sum", "values": "_x100 3x20"},
+                {"series": "cluster:gpuhub_gpus_saved:sum", "values": "_x100 3x20"},
+            ],
+            "promql_expr_test": [within("Saved share", "1h", 1.0)],
+        },
+    ]
+    path = tmp_path / "gpu_hours_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "30s", "tests": tests}))
+    r = subprocess.run([prometheus_bins.promtool, "test", "rules", str(path)],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_gpu_hours_stats_show_small_values():
+    """No fixed decimals on the GPU-hours stats: Grafana's automatic ones keep the significant
+    digits (a fixed 1 showed a few GPU-minutes as 0.0)."""
+    for title in GPU_HOURS_PANELS:
+        assert "decimals" not in panel_of(title)["fieldConfig"]["defaults"], title
 
 
 def test_scrape_jobs_up_with_tokens(monitoring_stack):
