@@ -106,13 +106,16 @@ def test_replica_id_defaults_to_zero(make_agent):
     assert unit_env(a, "gpuhub-kernel-k1-r0")["GPUHUB_REPLICA_ID"] == "0"
 
 
-@pytest.mark.parametrize("bad", [-1, "1", True, 1.5, None])
-def test_bad_replica_id_is_refused(make_agent, bad):
+@pytest.mark.parametrize(("field", "bad"), [
+    *(("replica_id", bad) for bad in (-1, "1", True, 1.5, None)),
+    *(("incarnation", bad) for bad in (1, "a b", "../x", "x" * 65, None)),
+])
+def test_a_bad_replica_id_or_incarnation_is_refused(make_agent, field, bad):
     a = make_agent(gpus=0)
     status, body = a.call("POST", "/api/v1/units", {
         "name": "gpuhub-kernel-k1-r0", "kind": "kernel", "user": current_user(),
-        "kernel": {"key": "k", "kernel_id": "k1", "replica_id": bad}})
-    assert status == 400 and "kernel.replica_id" in body["error"], body
+        "kernel": {"key": "k", "kernel_id": "k1", field: bad}})
+    assert status == 400 and f"kernel.{field}" in body["error"], body
     assert not (a.dir / "state" / "journals" / "gpuhub-kernel-k1-r0").exists()
 
 
@@ -140,15 +143,6 @@ def test_a_journal_no_unit_owns_is_not_given_to_a_new_replica(make_agent):
     (journal(a, name) / "left-over").write_text("x = 1")
     start_unit(a, name, incarnation="new")
     assert list(journal(a, name).iterdir()) == []
-
-
-@pytest.mark.parametrize("bad", [1, "a b", "../x", "x" * 65, None])
-def test_a_bad_incarnation_is_refused(make_agent, bad):
-    a = make_agent(gpus=0)
-    status, body = a.call("POST", "/api/v1/units", {
-        "name": "gpuhub-kernel-k1-r0", "kind": "kernel", "user": current_user(),
-        "kernel": {"key": "k", "kernel_id": "k1", "incarnation": bad}})
-    assert status == 400 and "kernel.incarnation" in body["error"], body
 
 
 # --- agent: PUT /api/v1/units/{name}/peers -----------------------------------------------------------
