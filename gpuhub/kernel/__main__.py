@@ -58,6 +58,17 @@ class ReplicaApp(IPKernelApp):
     second one to the same topic: never reported, never welcomed, and the router never sends that
     replica a cell again."""
 
+    def log_connection_info(self) -> None:
+        """ipykernel prints a note for whoever ran ``ipython kernel`` in a terminal (Ctrl-C will not
+        work, ``--existing FILE``) on stdout, which is the replica's journal, at every start: as a
+        kernel started by a parent it only logs the lines (below the journal's level)."""
+        handle = self.parent_handle
+        self.parent_handle = 1
+        try:
+            super().log_connection_info()
+        finally:
+            self.parent_handle = handle
+
     def init_iopub(self, context) -> None:
         super().init_iopub(context)
         thread = self.iopub_thread

@@ -149,6 +149,14 @@ def test_every_cell_leaves_three_equal_namespaces(cpu_kernel):
     assert out["stdout"].strip() == "42 2 [7, 7, 7] 2"
 
 
+def test_a_replicas_journal_says_it_is_ready_and_no_note_for_terminal_users(cpu_kernel, dev_cluster):
+    """ipykernel prints "Ctrl-C will not work … --existing FILE" for whoever started it in a terminal."""
+    ok(cpu_kernel, "x = 1")
+    for rep in cpu_kernel.record["replicas"]:
+        log = dev_cluster.agent(rep["node"]).unit_log_tail(rep["unit"], 200)
+        assert "ready:" in log and "Ctrl-C" not in log and "--existing" not in log, log
+
+
 def test_outputs_and_replies_come_once(cpu_kernel):
     out = ok(cpu_kernel, "print('hello')\n6 * 7")
     assert out["stdout"] == "hello\n"
