@@ -8,6 +8,7 @@ and forgets nothing (docs/architecture.md D5).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -97,7 +98,7 @@ class Agent:
         self.lingering = LingeringProcesses()
         self._background: set[asyncio.Task] = set()  # lingering leases being taken back
         self._main_pids: dict[str, int | None] = {}  # unit -> its main process, as systemd said (linger)
-        self._unit_locks: dict[str, asyncio.Lock] = {}  # unit -> held while it starts or stops
+        self._unit_locks: dict[str, list] = {}  # unit -> [lock held while it starts or stops, users]
         self.quota_refusals = {"gpus": 0, "gpu_hours": 0}
         self.meter = UsageMeter()  # GPU-seconds of ended leases, until the scheduler has them
         self.quota_gate = QuotaGate()
@@ -237,13 +238,20 @@ class Agent:
         """Where this server's units reach the agent."""
         return local_api_url(self.config)
 
-    def _unit_lock(self, name: str) -> asyncio.Lock:
+    @contextlib.asynccontextmanager
+    async def _unit_turn(self, name: str):
         """Starts and stops of one unit name take turns: a stop still running when a start of the
-        same name comes (a restarted kernel) must not remove the new unit's journal."""
-        lock = self._unit_locks.get(name)
-        if lock is None:
-            lock = self._unit_locks[name] = asyncio.Lock()
-        return lock
+        same name comes (a restarted kernel) must not remove the new unit's journal. The entry
+        counts holders and waiters, and goes with the last of them."""
+        entry = self._unit_locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._unit_locks[name]
 
     async def start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
                          argv: list[str] | None, key: str = "", kernel_id: str = "", replica_id: int = 0,
@@ -254,17 +262,9 @@ class Agent:
             raise UnitError(f"replica_id must not be negative, not {replica_id}")
         if gpus < 0 or gpus > self.book.gpu_count:
             raise LeaseError(f"unit asks for {gpus} GPU(s) per cell but this node has {self.book.gpu_count}")
-        lock = self._unit_lock(name)
-        try:
-            async with lock:
-                return await self._start_unit(name, kind, user, gpus, env, cwd, argv, key, kernel_id,
-                                              replica_id, incarnation)
-        finally:
-            self._drop_unit_lock(name, lock)
-
-    def _drop_unit_lock(self, name: str, lock: asyncio.Lock) -> None:
-        if not lock.locked() and self._unit_locks.get(name) is lock:
-            del self._unit_locks[name]
+        async with self._unit_turn(name):
+            return await self._start_unit(name, kind, user, gpus, env, cwd, argv, key, kernel_id,
+                                          replica_id, incarnation)
 
     async def _start_unit(self, name: str, kind: str, user: str, gpus: int, env: dict, cwd: str,
                           argv: list[str] | None, key: str, kernel_id: str, replica_id: int,
@@ -376,12 +376,8 @@ class Agent:
     async def stop_unit(self, name: str) -> bool:
         if not UNIT_NAME.match(name):
             return False  # nothing of ours has that name; never touch paths built from it
-        lock = self._unit_lock(name)
-        try:
-            async with lock:
-                return await self._stop_unit(name)
-        finally:
-            self._drop_unit_lock(name, lock)
+        async with self._unit_turn(name):
+            return await self._stop_unit(name)
 
     async def _stop_unit(self, name: str) -> bool:
         known = name in self.units

@@ -164,7 +164,7 @@ async def test_a_start_of_a_unit_name_waits_for_its_stop_to_end(tmp_path, monkey
             return await super().acquire()
 
     monkeypatch.setattr(a.runner, "stop", first_stop_held)
-    a._unit_locks[name] = NoticedLock()
+    a._unit_locks[name] = [NoticedLock(), 0]  # the agent's turn-taking for this name, noticing a wait
     deleting = asyncio.create_task(a.stop_unit(name))
     await stopping.wait()
     starting = asyncio.create_task(
