@@ -150,7 +150,7 @@ class KernelRecord:
     @classmethod
     def from_books(cls, entry: dict, incarnation: str) -> KernelRecord:
         """The record :meth:`books` wrote; fields a later release added are left out (a rollback)."""
-        known = {f.name for f in fields(cls)} - {"replicas"}
+        known = {f.name for f in fields(cls)} - {"replicas", "incarnation"}  # given beside the entry
         reps = [ReplicaRecord(**{k: v for k, v in r.items() if k in REPLICA_FIELDS})
                 for r in entry.get("replicas", [])]
         return cls(**{k: v for k, v in entry.items() if k in known}, replicas=reps, incarnation=incarnation)
