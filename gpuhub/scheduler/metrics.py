@@ -33,11 +33,18 @@ class SchedulerCollector:
 
     def collect(self):
         s = self.s
-        live = sum(1 for r in s.nodes.values() if s.live(r))
+        states = s.node_states()
         g = GaugeMetricFamily("gpuhub_scheduler_nodes", "Servers by whether they heartbeat (GPU servers and "
-                              "notebook hosts)", labels=["state"])
-        g.add_metric(["live"], live)
-        g.add_metric(["lost"], len(s.nodes) - live)
+                              "notebook hosts); a silent server the elastic pool lent or acquires is not lost",
+                              labels=["state"])
+        g.add_metric(["live"], sum(1 for r in s.nodes.values() if s.live(r)))
+        g.add_metric(["lost"], sum(1 for state in states.values() if state == "lost"))
+        yield g
+        # One series per server, its state now: alerts and panels can name the server.
+        g = GaugeMetricFamily("gpuhub_scheduler_server_state", "1 for each server's state: active, draining, "
+                              "drained, lent, acquiring or lost", labels=["server", "state"])
+        for name, state in sorted(states.items()):
+            g.add_metric([name, state], 1)
         yield g
         yield from s.kernel_start.collect()
         yield from s.migration_time.collect()

@@ -374,11 +374,20 @@ class Scheduler:
         node.info.update(parse_counts(info))
         return info
 
-    def nodes_view(self) -> list[dict]:
+    def _kernels_by_node(self) -> dict[str, list[KernelRecord]]:
         placed: dict[str, list[KernelRecord]] = {}
         for k in self.kernels.values():
             for rep in k.replicas:
                 placed.setdefault(rep.node, []).append(k)
+        return placed
+
+    def node_states(self) -> dict[str, str]:
+        """Each server's state (``node_state``), by name."""
+        placed = self._kernels_by_node()
+        return {r.name: self.node_state(r, len(placed.get(r.name, ()))) for r in self.nodes.values()}
+
+    def nodes_view(self) -> list[dict]:
+        placed = self._kernels_by_node()
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen, "drained": r.drained,
              "state": self.node_state(r, len(placed.get(r.name, ()))),

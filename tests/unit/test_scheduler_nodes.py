@@ -186,3 +186,21 @@ async def test_no_wait_after_a_restart_for_servers_no_replica_may_go_to(tmp_path
     s.heartbeat(beat("b"))
     with pytest.raises(PlacementError):  # not a TimeoutError: it did not wait the 30 s grace
         await asyncio.wait_for(s.create_kernel("alice", "k1", "key", 1, 3, ""), timeout=10)
+
+
+def test_metrics_name_each_lost_server_and_a_lent_one_is_not_lost(tmp_path, monkeypatch):
+    from prometheus_client import generate_latest
+
+    from gpuhub.scheduler.metrics import scheduler_registry
+
+    s = Scheduler(SchedulerConfig(state_dir=str(tmp_path), node_timeout_s=30), agent_token="t")
+    for name in ("gpu1", "gpu2", "gpu3"):
+        s.heartbeat(beat(name))
+    s.nodes["gpu3"].pool = "lent"  # the elastic pool powered it off: it is silent too
+    now = time.monotonic()
+    s.nodes["gpu1"].seen = s.nodes["gpu3"].seen = now - 60
+    text = generate_latest(scheduler_registry(s)).decode()
+    assert 'gpuhub_scheduler_nodes{state="lost"} 1.0' in text, text
+    assert 'gpuhub_scheduler_nodes{state="live"} 1.0' in text, text
+    for server, state in (("gpu1", "lost"), ("gpu2", "active"), ("gpu3", "lent")):
+        assert f'gpuhub_scheduler_server_state{{server="{server}",state="{state}"}} 1.0' in text, text
