@@ -112,6 +112,8 @@ def _status_commands(sub) -> None:
     q.add_argument("target", nargs="?", help="grant: the user")
     q.add_argument("hours", nargs="?", type=float, help="grant: extra GPU-hours for this week")
     q.add_argument("--user", help="show: this user only")
+    q.add_argument("--force", action="store_true",
+                   help="grant: even to a user the scheduler does not know who has no login account on this host")
     q.add_argument("--config", default=status.DEFAULT_CONFIG,
                    help=f"the scheduler's settings: its address and token (default {status.DEFAULT_CONFIG}); "
                         "without them, a user's own quota with $JUPYTERHUB_API_TOKEN")

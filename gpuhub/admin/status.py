@@ -183,6 +183,40 @@ def _hours(v: float | None) -> str:
     return "-" if v is None else f"{v:g}"
 
 
+def _used_hours(v: float) -> str:
+    """Two decimals, or two significant digits below 0.01 (a 0.001-hour limit shows what counts)."""
+    return f"{v:.2g}" if 0 < v < 0.01 else f"{v:.2f}"
+
+
+def _login_uid_min() -> int:
+    """The first uid of people's accounts on this host (login.defs' UID_MIN; 1000 on Debian)."""
+    try:
+        with open("/etc/login.defs") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 2 and fields[0] == "UID_MIN" and fields[1].isdigit():
+                    return int(fields[1])
+    except OSError:
+        pass
+    return 1000
+
+
+def _check_grantee(sched: Scheduler, user: str) -> None:
+    """A grant to a mistyped or system name would be accepted and help nobody: the user must be one
+    the scheduler knows (limits, use or kernels) or a person's login account on this host."""
+    import pwd
+
+    if any(st["user"] == user for st in sched.get("/api/v1/quota")["users"]):
+        return
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise StatusError(f"no user {user!r}: not a login account on this host, and the scheduler has no "
+                          "limit, GPU use or kernel of theirs; check the name (--force grants anyway)", 2) from None
+    if uid < _login_uid_min() or user == "nobody":
+        raise StatusError(f"{user!r} is a system account (uid {uid}), not a notebook user (--force grants anyway)", 2)
+
+
 def quota(sched: Scheduler, args) -> tuple[dict, str]:
     """``gpuhub quota [--user U]``: GPU-hours used this week and GPUs held, against each limit;
     ``gpuhub quota grant USER HOURS``: extra GPU-hours for USER this week (docs/quotas.md)."""
@@ -191,6 +225,8 @@ def quota(sched: Scheduler, args) -> tuple[dict, str]:
     if args.action == "grant":
         if not args.target or args.hours is None:
             raise StatusError("usage: gpuhub quota grant USER HOURS", 2)
+        if not args.force:
+            _check_grantee(sched, args.target)
         st = sched.call("POST", f"/api/v1/quota/{quote(args.target, safe='')}/extra", {"gpu_hours": args.hours})
         body = {"users": [st]}
     elif args.user:
@@ -203,7 +239,7 @@ def quota(sched: Scheduler, args) -> tuple[dict, str]:
         groups = ", ".join(f"{lim['name'].removeprefix('group ')} ({lim['gpu_hours_used']:.1f}/"
                            f"{_hours(lim['gpu_hours'])} h, {lim['gpus_held']}/{_hours(lim['gpus'])} GPUs)"
                            for lim in st["limits"] if lim["kind"] == "group")
-        rows.append((st["user"], f"{st['gpu_hours_used']:.2f}", _hours(own.get("gpu_hours")),
+        rows.append((st["user"], _used_hours(st["gpu_hours_used"]), _hours(own.get("gpu_hours")),
                      _hours(st.get("extra_gpu_hours") or None), st["gpus_held"], _hours(own.get("gpus")),
                      groups or "-"))
     week = body["users"][0]["week"] if body["users"] else ""

@@ -186,6 +186,13 @@ def test_gpuhub_quota_shows_admins_every_user_grants_hours_and_shows_a_user_thei
     assert granted.returncode == 0 and f"{user}: 2.5 extra GPU-hour(s) this week" in granted.stdout
     assert json.loads(cli("--user", user, "--json", "--config", config).stdout)["users"][0]["extra_gpu_hours"] == 2.5
     assert cli("grant", user, "--config", config).returncode == 2
+    # A mistyped name or a system account is refused, the books unchanged; --force grants anyway.
+    for name, says in (("no-such-user-x", "no user 'no-such-user-x'"), ("nobody", "system account")):
+        wrong = cli("grant", name, "1", "--config", config)
+        assert wrong.returncode == 2 and says in wrong.stderr, wrong.stderr
+    listed = json.loads(cli("--json", "--config", config).stdout)["users"]
+    assert [st["user"] for st in listed] == [user], listed
+    assert cli("grant", "no-such-user-x", "1", "--force", "--config", config).returncode == 0
     # A user in a JupyterLab terminal: no admin settings, their server's JupyterHub token.
     env = {"JUPYTERHUB_API_TOKEN": cluster.user_token, "GPUHUB_SCHEDULER_URL": cluster.scheduler.url}
     mine = cli("--config", str(tmp_path / "none.toml"), env=env)
