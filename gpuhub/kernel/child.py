@@ -311,6 +311,7 @@ def _run_cell(shell, cell: dict, chan: FrameWriter, known_digest, marks: dict) -
     else:
         done["user_expressions"] = shell.user_expressions(cell["user_expressions"] or {})
     done["payload"] = shell.payload_manager.read_payload()
+    shell.payload_manager.clear_payload()  # as ipykernel: a process kept for the next cell would send them again
     chan.send("done", done)
     marks["ran"] = time.monotonic()
     return capture_image(shell, frozenset(cell["stored"]), known_digest)

@@ -135,6 +135,31 @@ def test_output_history_and_prompts_match_ipykernel(kernel):
     assert [entry[2] for entry in hist["content"]["history"]] == ["6 * 7", f"print(_, Out[{n}], _{n})"]
 
 
+# Cells whose replies carry payloads (a help page, a new cell for the frontend), and the cells after.
+PAYLOAD_CELLS = ["def f(x):\n    return x", "f?", "1", "get_ipython().set_next_input('# next')", "2", "1/0", "3"]
+
+
+def payload_sources(kc, cells: list[str]) -> list[list[str]]:
+    """Each cell's reply payloads, by source: what the frontend shows or does once per payload."""
+    return [[p["source"] for p in run(kc, code)[0].get("payload", [])] for code in cells]
+
+
+@pytest.fixture(scope="module")
+def plain_payloads():
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        return payload_sources(kc, PAYLOAD_CELLS)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_payload_comes_with_its_own_cell_only_as_on_plain_ipykernel(kernel, plain_payloads):
+    # A GPU cell's process that stays for the next cell kept every payload and sent them all again.
+    assert plain_payloads == [[], ["page"], [], ["set_next_input"], [], [], []]
+    assert payload_sources(kernel.kc, PAYLOAD_CELLS) == plain_payloads
+
+
 OUTPUTS = ["6 * 7", "'second'", "print(_, __)", "_ = 'mine'", "99", "print(_, __, ___)", "del _", "5",
            "print(_, __, ___)"]
 
