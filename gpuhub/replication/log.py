@@ -30,6 +30,9 @@ log = logging.getLogger("gpuhub.replication")
 SLOW_COMMIT_S = 5.0
 
 KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for them
+# The most bytes of entries one AppendEntries message carries; a single entry this large or larger
+# would be split (see RaftGroup.__init__).
+APPEND_ENTRIES_BATCH_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,11 @@ class RaftGroup:
             _private_journal(journal_dir)
         conf = SyncObjConf(
             appendEntriesUseBatch=False,  # else every commit waits for the batch tick (~100 ms)
+            # pysyncobj (0.3.17) sends an entry of this size or more in parts, and marks the wrong
+            # part as the last: a follower's tick fails on the truncated pickle and takes the entry
+            # only with a later part, slowly. Entries here are far smaller (images inline up to
+            # 64 KiB, about 1.7 times that pickled), so each goes whole, in one message.
+            appendEntriesBatchSizeBytes=APPEND_ENTRIES_BATCH_BYTES,
             password=raft_password(key),
             journalFile=f"{journal_dir}/raft.journal" if journal_dir else None,
             fullDumpFile=f"{journal_dir}/raft.dump" if journal_dir else None,

@@ -6,6 +6,7 @@ RaftUnavailable without a majority. Every group is destroyed (its thread joined)
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import time
@@ -114,6 +115,23 @@ def test_three_replicas_agree_on_the_election_and_the_names(make_group):
     assert complete(groups[0], "c1", 0, 1, x="lost") is False  # the first end of a cell wins
     assert wait_until(lambda: all(state(g) == ({"x": b"1"}, 1, 1, ["c1"]) for g in groups)), \
         [state(g) for g in groups]
+
+
+def test_an_entry_larger_than_a_batch_reaches_every_member_whole_at_once(make_group, caplog):
+    # pysyncobj 0.3.17 sends an entry of appendEntriesBatchSizeBytes or more in parts and marks the
+    # wrong part as the last one: the followers' tick thread failed on a truncated pickle at every
+    # such commit (a GPU kernel's image of 80 KB after a DataFrame cell) and took it on a later part.
+    a = addrs(3)
+    groups = [make_group(addr, a) for addr in a]
+    assert all(g.wait_ready(10) for g in groups)
+    assert wait_until(lambda: all(g.connected(p) for g in groups for p in a if p != g.address))
+    stream = os.urandom(300 * 1024)  # bytes of every value: pickled, about 1.5 times as many
+    img = ImageEntry("digest-big", stream, len(stream), (), ("big",))
+    with caplog.at_level("ERROR", logger="pysyncobj"):
+        groups[0].propose("c1", 0, 0, True, timeout_s=10)
+        assert groups[0].complete("c1", 0, 0, "ok", img, 1, timeout_s=10)
+        assert wait_until(lambda: all(g.log.image is not None and g.log.image.inline == stream for g in groups))
+    assert "failed _onTick" not in caplog.text, caplog.text[:2000]
 
 
 def journaled_groups(make_group, tmp_path):
