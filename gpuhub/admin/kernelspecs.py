@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -66,7 +67,11 @@ def install(prefix: str, profiles: list[tuple[str, int]], replicas: int, prune: 
         path = kdir / "kernel.json"
         if not path.exists() or path.read_text() != text:
             kdir.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            # A new file renamed over the old: a release cloned from another shares its files
+            # (roles/gpuhub_python/files/clone_release.py), and a reader never sees half a spec.
+            tmp = path.with_name(".kernel.json.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
             changes.append(f"changed: {path}")
     if prune and root.is_dir():
         for old in root.glob("gpuhub-*"):
