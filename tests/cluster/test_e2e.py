@@ -7,6 +7,7 @@ Traffic goes only to the cluster containers' own addresses.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -298,7 +299,7 @@ def test_a_named_cpu_server_beside_the_default_one(cluster, alice):
     if "second" in alice.api("GET", "/hub/api/users/alice").json().get("servers", {}):
         alice.stop_server("second")  # left by an earlier run against this cluster
     form = alice.s.get(f"{alice.base}/hub/spawn/alice/second", timeout=30).text
-    assert "numpy, pandas: no GPU" in form, form[:2000]
+    assert "numpy, pandas, matplotlib: no GPU" in form, form[:2000]
     alice.start_server("cpu", server="second")
     try:
         specs = alice.api("GET", "/user/alice/second/api/kernelspecs").json()
@@ -323,12 +324,16 @@ def test_cell_sees_exactly_a_fake_gpu_of_its_node(cluster, alice_kernel):
 
 
 def test_the_inventorys_extra_packages_are_in_every_kernel(alice_kernel):
-    """The test inventory adds numpy and pandas (gpuhub_python_extra_requirements): a DataFrame made
-    in one GPU cell is there, whole, in the next."""
+    """The test inventory adds numpy, pandas and matplotlib (gpuhub_python_extra_requirements): a
+    DataFrame made in one GPU cell is there, whole, in the next, and a plot reaches the notebook."""
     _, channel = alice_kernel
     channel.run("import numpy as np, pandas as pd\ndf = pd.DataFrame({'k': list('abab'), 'v': np.arange(4.0)})")
     out = channel.run("print(df.groupby('k')['v'].sum().to_dict())")
     assert out["stdout"].strip() == "{'a': 2.0, 'b': 4.0}", out
+    out = channel.run("import matplotlib.pyplot as plt\nplt.plot(df['v'])\nplt.show()")
+    images = [m["content"]["data"]["image/png"] for m in out["other"]
+              if m["header"]["msg_type"] == "display_data" and "image/png" in m["content"].get("data", {})]
+    assert len(images) == 1 and base64.b64decode(images[0]).startswith(b"\x89PNG"), out
 
 
 def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):
