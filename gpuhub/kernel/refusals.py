@@ -6,19 +6,53 @@ requests are answered with the reason instead of being carried out.
   server that several users share, any of them could attach to it and run code as the kernel's user.
 - A subshell's cell runs beside the main shell's; in a replicated kernel it ran on the one replica
   that had made the subshell, outside the Raft log, so only that replica had its variables.
+
+And ``%pip install`` / ``uninstall`` say why they change nothing instead of running pip: the kernel
+runs from a release venv that only the admin changes (root's, the same on every server), so pip
+could only fail, after its retries, with its own words (a replica's change would reach one server
+at most anyway). ``%pip list``, ``show`` and the rest run as in IPython.
 """
 
 from __future__ import annotations
+
+import sys
 
 NO_DEBUGGER = ("this kernel has no debugger: debugpy would listen on a port that the server's other users "
                "could reach, and run code as you for whoever attached")
 NO_SUBSHELLS = "gpuhub kernels run one cell at a time, on every replica in order: subshells are not supported"
 
 
+NO_PIP_CHANGES = ("[gpuhub] %pip {action} changes nothing here: this kernel's Python environment is the one "
+                  "your admin installs on every server. Ask your admin to add the package for everyone "
+                  "(it is then in every new kernel), then restart your kernel.")
+PIP_CHANGES = ("install", "uninstall")
+
+
+def say_why_pip_changes_nothing(shell) -> None:
+    """Replace IPython's ``%pip`` with one that refuses ``install`` and ``uninstall`` with the reason."""
+    original = shell.find_line_magic("pip")
+    if original is None:
+        return
+
+    def pip(line: str):
+        words = line.split()
+        if words and words[0] in PIP_CHANGES:
+            print(NO_PIP_CHANGES.format(action=words[0]), file=sys.stderr)
+            return None
+        return original(line)
+
+    pip.__doc__ = original.__doc__
+    shell.register_magic_function(pip, "line", "pip")
+
+
 class Refusals:
     """Mixed in before ``IPythonKernel``. ``refused`` names the ``supported_features`` taken away."""
 
     refused: tuple[str, ...] = ("debugger",)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        say_why_pip_changes_nothing(self.shell)
 
     @property
     def kernel_info(self):
