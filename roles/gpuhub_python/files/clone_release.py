@@ -78,6 +78,8 @@ def clone(source: Path, target: Path) -> None:
             elif is_shared(rel):
                 try:
                     os.link(src, dst)
+                except FileNotFoundError:
+                    continue  # a bytecode file's temporary name, renamed meanwhile: nothing to keep
                 except OSError:  # another filesystem: a copy does as well
                     shutil.copy2(src, dst)
             else:
