@@ -7,15 +7,18 @@ requests are answered with the reason instead of being carried out.
 - A subshell's cell runs beside the main shell's; in a replicated kernel it ran on the one replica
   that had made the subshell, outside the Raft log, so only that replica had its variables.
 
-And ``%pip install`` / ``uninstall`` say why they change nothing instead of running pip: the kernel
-runs from a release venv that only the admin changes (root's, the same on every server), so pip
-could only fail, after its retries, with its own words (a replica's change would reach one server
-at most anyway). ``%pip list``, ``show`` and the rest run as in IPython.
+And in an installed release, ``%pip install`` / ``uninstall`` say why they change nothing instead of
+running pip: the kernel runs from a release venv that only the admin changes (root's, the same on
+every server), so pip could only fail, after its retries, with its own words (a replica's change
+would reach one server at most anyway). ``%pip list``, ``show`` and the rest run as in IPython, and
+so does all of ``%pip`` in a venv of one's own (``pip install gpuhub``, a development checkout).
 """
 
 from __future__ import annotations
 
 import sys
+
+from gpuhub.platform.releases import release_name
 
 NO_DEBUGGER = ("this kernel has no debugger: debugpy would listen on a port that the server's other users "
                "could reach, and run code as you for whoever attached")
@@ -52,7 +55,8 @@ class Refusals:
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        say_why_pip_changes_nothing(self.shell)
+        if release_name():  # an installed release (docs/upgrades.md), not a venv of the user's own
+            say_why_pip_changes_nothing(self.shell)
 
     @property
     def kernel_info(self):

@@ -334,6 +334,9 @@ def test_the_inventorys_extra_packages_are_in_every_kernel(alice_kernel):
     images = [m["content"]["data"]["image/png"] for m in out["other"]
               if m["header"]["msg_type"] == "display_data" and "image/png" in m["content"].get("data", {})]
     assert len(images) == 1 and base64.b64decode(images[0]).startswith(b"\x89PNG"), out
+    # Packages come from the admin: %pip install says so (the release is root's) and runs nothing.
+    out = channel.run("%pip install tqdm")
+    assert "%pip install changes nothing here" in out["stderr"] and "Collecting" not in out["stdout"], out
 
 
 def test_gpu_is_committed_only_while_a_cell_runs(cluster, alice_kernel):

@@ -339,14 +339,6 @@ def test_no_debugger_and_no_subshells_are_offered_and_their_requests_are_refused
         k.close()
 
 
-def test_pip_install_says_why_it_changes_nothing_and_pip_list_runs(kernel):
-    reply, out = run(kernel.kc, "%pip install some-package-x")
-    assert reply["status"] == "ok" and "%pip install changes nothing here" in out["stderr"], out
-    assert "Collecting" not in out["stdout"] + out["stderr"]  # pip never ran
-    reply, out = run(kernel.kc, "%pip --version")
-    assert reply["status"] == "ok" and out["stdout"].startswith("pip "), out
-
-
 def test_the_socket_module_is_the_pythons_own(kernel):
     """pysyncobj swaps socket.inet_ntop for a Windows-only one when imported: user code (psutil's
     net_connections among it) must still get the one a plain ipykernel has."""
