@@ -31,8 +31,9 @@ SLOW_COMMIT_S = 5.0
 
 KEEP_OUTCOMES = 256  # finished cells remembered, to ignore late entries for them
 # The most bytes of entries one AppendEntries message carries; a single entry this large or larger
-# would be split (see RaftGroup.__init__).
-APPEND_ENTRIES_BATCH_BYTES = 16 * 1024 * 1024
+# would be split (see RaftGroup.__init__). A catch-up sends the log in messages this large, each
+# compressed and encrypted on the leader's tick thread (tens of milliseconds at 4 MiB).
+APPEND_ENTRIES_BATCH_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
