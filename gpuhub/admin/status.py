@@ -188,33 +188,33 @@ def _used_hours(v: float) -> str:
     return f"{v:.2g}" if 0 < v < 0.01 else f"{v:.2f}"
 
 
-def _login_uid_min() -> int:
-    """The first uid of people's accounts on this host (login.defs' UID_MIN; 1000 on Debian)."""
-    try:
-        with open("/etc/login.defs") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 2 and fields[0] == "UID_MIN" and fields[1].isdigit():
-                    return int(fields[1])
-    except OSError:
-        pass
-    return 1000
+AGENT_CONFIG = "/etc/gpuhub/agent.toml"  # every host's agent: its min_uid says who may run units
 
 
 def _check_grantee(sched: Scheduler, user: str) -> None:
     """A grant to a mistyped or system name would be accepted and help nobody: the user must be one
-    the scheduler knows (limits, use or kernels) or a person's login account on this host."""
+    the scheduler knows (limits, use or kernels) or one this host's agent would run a kernel for."""
     import pwd
+
+    from gpuhub.agent.config import AgentConfig
+    from gpuhub.agent.units import UnitError, lookup_user
 
     if any(st["user"] == user for st in sched.get("/api/v1/quota")["users"]):
         return
     try:
-        uid = pwd.getpwnam(user).pw_uid
-    except KeyError:
-        raise StatusError(f"no user {user!r}: not a login account on this host, and the scheduler has no "
-                          "limit, GPU use or kernel of theirs; check the name (--force grants anyway)", 2) from None
-    if uid < _login_uid_min() or user == "nobody":
-        raise StatusError(f"{user!r} is a system account (uid {uid}), not a notebook user (--force grants anyway)", 2)
+        min_uid = load_settings(AgentConfig, AGENT_CONFIG).min_uid
+    except (OSError, ConfigError):
+        min_uid = AgentConfig.min_uid.default_value
+    try:
+        lookup_user(user, min_uid)  # the agent's own rule: no system account, no nobody
+    except UnitError as exc:
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            raise StatusError(f"no user {user!r}: not a login account on this host, and the scheduler has no "
+                              "limit, GPU use or kernel of theirs; check the name (--force grants anyway)", 2) from None
+        raise StatusError(f"{user!r} is a system account, not a notebook user ({exc}; --force grants anyway)",
+                          2) from None
 
 
 def quota(sched: Scheduler, args) -> tuple[dict, str]:
