@@ -67,10 +67,8 @@ def clone(source: Path, target: Path) -> None:
         for name in [*dirnames, *filenames]:
             src, rel = here / name, rel_dir / name
             dst = target / rel
-            if src.is_symlink():
-                dirnames[:] = [d for d in dirnames if d != name]  # lib64 -> lib: not walked twice
-                link = os.readlink(src)
-                os.symlink(link.replace(str(source), str(target)), dst)
+            if src.is_symlink():  # bin/python, lib64 -> lib (os.walk does not descend into it)
+                os.symlink(os.readlink(src).replace(str(source), str(target)), dst)
             elif name in dirnames:
                 continue  # made when the walk gets there
             elif rel == Path(COMPLETE_MARKER):
