@@ -197,7 +197,7 @@ def _check_grantee(sched: Scheduler, user: str) -> None:
     import pwd
 
     from gpuhub.agent.config import AgentConfig
-    from gpuhub.agent.units import UnitError, lookup_user
+    from gpuhub.platform.accounts import AccountError, notebook_account
 
     if any(st["user"] == user for st in sched.get("/api/v1/quota")["users"]):
         return
@@ -206,8 +206,8 @@ def _check_grantee(sched: Scheduler, user: str) -> None:
     except (OSError, ConfigError):
         min_uid = AgentConfig.min_uid.default_value
     try:
-        lookup_user(user, min_uid)  # the agent's own rule: no system account, no nobody
-    except UnitError as exc:
+        notebook_account(user, min_uid)  # the agent's own rule: no system account, no nobody
+    except AccountError as exc:
         try:
             pwd.getpwnam(user)
         except KeyError:

@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuhub.platform.accounts import AccountError, notebook_account
 from gpuhub.platform.exit_status import DISK_FULL_EXIT
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ USER_UNIT_HARDENING = (
     "SystemCallFilter=~@clock @cpu-emulation @module @mount @obsolete @raw-io @reboot @swap",
     "SystemCallErrorNumber=EPERM",
 )
-# uids that are no one's: the kernel's overflow uid (nobody) and (uid_t)-1, -2
-NOBODY_UIDS = frozenset({65534, 4294967294, 4294967295})
 
 
 def under(path: str, parent: str) -> bool:
@@ -94,15 +93,9 @@ def under(path: str, parent: str) -> bool:
 
 def lookup_user(name: str, min_uid: int) -> pwd.struct_passwd:
     try:
-        pw = pwd.getpwnam(name)
-    except KeyError:
-        raise UnitError(f"user {name!r} does not exist on this node") from None
-    if pw.pw_uid == 0 or pw.pw_uid < min_uid:
-        raise UnitError(f"refusing to run as {name!r} (uid {pw.pw_uid} is below min_uid {min_uid})")
-    if pw.pw_uid in NOBODY_UIDS:
-        raise UnitError(f"refusing to run as {name!r} (uid {pw.pw_uid} is nobody's: its files would be "
-                        "every such unit's)")
-    return pw
+        return notebook_account(name, min_uid)
+    except AccountError as exc:
+        raise UnitError(str(exc)) from None
 
 
 def write_private(path: Path, content: str, uid: int, gid: int, mode: int = 0o400) -> None:

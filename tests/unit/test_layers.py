@@ -27,8 +27,9 @@ ALLOWED = {
     "kernel": {"replication"},
     "replication": set(),
     "sim": set(),
-    # `gpuhub sim`, `gpuhub local-kernel`; `gpuhub nodes` reads the scheduler's config file on the hub
-    "admin": {"sim", "dev", "gpuhub.scheduler.config"},
+    # `gpuhub sim`, `gpuhub local-kernel`; `gpuhub nodes` reads the scheduler's config file on the hub,
+    # `gpuhub quota grant` the agent's (its min_uid)
+    "admin": {"sim", "dev", "gpuhub.scheduler.config", "gpuhub.agent.config"},
     "dev": None,  # the harness starts every process: it may import anything
 }
 
