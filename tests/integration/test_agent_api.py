@@ -280,8 +280,12 @@ def test_a_dead_unit_shows_the_end_of_its_log_without_its_secrets(make_agent):
 
 
 def unit_environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+    """The environment the unit's process started with. Popen returns once exec closed its pipe,
+    a moment before the kernel has placed the new environment: until then the file reads empty."""
+    def read() -> dict[str, str]:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+    return wait_for(read, 10, f"process {pid}'s environment")
 
 
 def test_only_a_grant_shows_a_gpu_to_cuda(make_agent):
