@@ -34,6 +34,7 @@ from gpuhub.kernel.pipe import FrameWriter
 from gpuhub.kernel.reaper import CellReaper
 from gpuhub.kernel.refusals import Refusals
 from gpuhub.kernel.replica import Replica
+from gpuhub.kernel.wait_notice import WaitNotice
 from gpuhub.kernel.warm_imports import ImportWarmer
 from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
 from gpuhub.replication.log import CellOutcome, RaftUnavailable
@@ -295,6 +296,7 @@ class GpuhubKernel(Refusals, IPythonKernel):
         # to the attempt the others are at.
         attempt = rep.next_attempt(cell, -1)
         moves = MoveRequests(self.lease_client)
+        notice = WaitNotice(cell, self._publish_to_cell)
         group = set(rep.peers)  # a change during this cell: a replica moved for it (a migration)
         # Every replica asks its agent; most give the grant back at once. So the first round ends
         # no other kernel's warm process (a lingering lease) for that; each later one lets one
@@ -321,6 +323,8 @@ class GpuhubKernel(Refusals, IPythonKernel):
                 return self._follow(decision.outcome, code, store_history, silent)
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
                       decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
+            if decision.executor is not None:
+                notice.settle(self._waited_text(time.monotonic() - started, rep, decision.executor))
             if decision.executor == rep.id:
                 return await self._execute_here(cell, attempt, grant, code, silent, store_history,
                                                 user_expressions, allow_stdin, cell_meta, cell_id)
@@ -347,8 +351,7 @@ class GpuhubKernel(Refusals, IPythonKernel):
                 # a move takes a replica out of the group for a while: only a whole group can afford it
                 target = moves.ask(waited) if rep.group_whole() else None
                 if target is not None and target != moves.told:
-                    sys.stderr.write(f"[gpuhub] waiting for a GPU: moving this kernel to {target}…\n")
-                    sys.stderr.flush()
+                    notice.show(f"[gpuhub] waiting for a GPU: moving this kernel to {target}…")
                     # the router fetches the new group now, to hand this cell to the new replica
                     self.session.send(self.iopub_socket, GROUP_CHANGE, {"target": target},
                                       parent=self.get_parent("shell"), ident=b"gpuhub_group_change")
@@ -357,14 +360,23 @@ class GpuhubKernel(Refusals, IPythonKernel):
                     told = waited  # the replica that asked for the move (it left or stayed) said so
                 elif told is None or waited - told >= 30:
                     nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
-                    sys.stderr.write(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
-                                     f"({nodes}); waited {waited:.0f} s…\n")
-                    sys.stderr.flush()
+                    notice.show(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
+                                f"({nodes}); waited {waited:.0f} s…")
                     told = waited
             if grant is None:  # a replica whose LEAD came after the attempt was decided tries again at once
                 rep.wait_for_later_attempt(cell, attempt, backoff, self._interrupted)
                 backoff = backoff if tentative else min(backoff * 2, 2.0)
             attempt = rep.next_attempt(cell, attempt)
+
+    def _waited_text(self, waited: float, rep, executor: int) -> str:
+        peer = rep.peers.get(executor)
+        where = f"; running on {peer.node}" if peer is not None and peer.node else ""
+        return f"[gpuhub] waited {waited:.0f} s for {self.gpus} GPU(s){where}"
+
+    def _publish_to_cell(self, msg_type: str, content: dict) -> None:
+        """An output of the cell being executed, sent by the kernel itself (not the user's code)."""
+        self.session.send(self.iopub_socket, msg_type, content, parent=self.get_parent("shell"),
+                          ident=self._topic(msg_type))
 
     async def _run_under_lease(self, rep, cell, code, silent, store_history, user_expressions, allow_stdin,
                                cell_meta, cell_id) -> dict | None:

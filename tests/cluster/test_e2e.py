@@ -22,6 +22,7 @@ import pytest
 import requests
 import websocket
 
+from gpuhub.kernel.wait_notice import notice_text
 from tests.cluster.conftest import CONTAINERS_CONF
 
 pytestmark = pytest.mark.cluster
@@ -142,7 +143,7 @@ class KernelChannel:
 
     def collect(self, msg_id: str, timeout: float = KERNEL_TIMEOUT_S) -> dict:
         """Outputs of one request until its execute_reply and the kernel is idle again."""
-        out = {"stdout": "", "stderr": "", "reply": None, "statuses": [], "other": []}
+        out = {"stdout": "", "stderr": "", "reply": None, "statuses": [], "notices": [], "other": []}
         idle = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not (out["reply"] and idle):
@@ -151,7 +152,9 @@ class KernelChannel:
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind, content = msg["header"]["msg_type"], msg.get("content", {})
-            if kind == "stream":
+            if (notice := notice_text(kind, content)) is not None:  # the kernel's "waiting for a GPU"
+                out["notices"].append(notice)
+            elif kind == "stream":
                 out[content.get("name", "stdout")] += content.get("text", "")
             elif kind == "execute_reply":
                 out["reply"] = content
@@ -548,7 +551,7 @@ def test_two_users_cells_get_different_gpus(cluster, alice, alice_kernel):
                 t.join(KERNEL_TIMEOUT_S)
             where = {name: tuple(out["stdout"].split()[:2]) for name, out in results.items()}
             assert len(where) == 2 and all(len(w) == 2 for w in where.values()), results
-            waited = any("waiting for a GPU" in (out["stdout"] + out["stderr"]) for out in results.values())
+            waited = any("waiting for" in text for out in results.values() for text in out["notices"])
             assert where["alice"] != where["bob"] or waited, f"both cells ran on the same GPU at once: {where}"
         finally:
             bob_channel.close()

@@ -16,6 +16,7 @@ from jupyter_client import BlockingKernelClient
 
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
+from gpuhub.kernel.wait_notice import notice_text
 from gpuhub.platform import curve
 from gpuhub.platform.curve import kernel_curve_keys, with_keys
 from tests import zmq_peers
@@ -60,11 +61,13 @@ def connect(conn: dict, key: str, timeout: float = 60) -> BlockingKernelClient:
 
 def run(kc, code, timeout=30, stdin=None):
     """Execute and collect (reply content, stdout, stderr, results, errors)."""
-    out = {"stdout": "", "stderr": "", "results": [], "errors": [], "displays": []}
+    out = {"stdout": "", "stderr": "", "results": [], "errors": [], "displays": [], "notices": []}
 
     def on_output(msg):
         t, c = msg["msg_type"], msg["content"]
-        if t == "stream":
+        if (notice := notice_text(t, c)) is not None:  # the kernel's "waiting for a GPU" line
+            out["notices"].append(notice)
+        elif t == "stream":
             out[c["name"]] += c["text"]
         elif t == "execute_result":
             out["results"].append(c["data"].get("text/plain"))
@@ -287,7 +290,7 @@ def test_two_kernels_get_different_gpus_and_third_waits_visibly(make_agent):
         t.join()
     first = {results[i][1]["stdout"].strip() for i in range(2)}
     assert len(first) == 2, results
-    assert "waiting for 1 GPU" in results[2][1]["stderr"]
+    assert "waiting for 1 GPU" in results[2][1]["notices"][0], results[2]
     assert results[2][0]["status"] == "ok"
     # What users felt, in the agent's histogram: the third cell waited (until a 4 s cell ended), the
     # first two got their GPUs at once. Each is counted when its lease goes back.

@@ -20,6 +20,7 @@ from jupyter_client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
 
 from gpuhub.dev.cluster import DevCluster, DevKernel
+from gpuhub.kernel.wait_notice import notice_text
 from gpuhub.platform.curve import with_keys
 from gpuhub.replication import blobclient
 from gpuhub.replication.digest import digest
@@ -206,20 +207,28 @@ def test_next_cell_waits_for_its_own_last_lease_not_for_another_node(gpu_kernel)
 def test_all_busy_says_so_and_waits(gpu_kernel, dev_cluster):
     ok(gpu_kernel, "a = 1")
     hogs = [(agent, *take_the_gpu(agent, f"hog{agent.name[-1]}")) for agent in dev_cluster.agents]
+    notices: list[tuple[str, str]] = []
     stderr: list[str] = []
 
     def on_output(msg):  # the GPUs are given back once the kernel has said that it waits for one
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
-            stderr.append(msg["content"]["text"])
-            if "waiting for 1 GPU(s)" in msg["content"]["text"] and hogs:
+        if (text := notice_text(msg["msg_type"], msg["content"])) is not None:
+            notices.append((msg["msg_type"], text))
+            if "waiting for 1 GPU(s)" in text and hogs:
                 while hogs:
                     agent, token, lease_id = hogs.pop()
                     agent.call("DELETE", f"/api/v1/leases/{lease_id}", token=token)
+        elif msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
+            stderr.append(msg["content"]["text"])
 
     reply = gpu_kernel.kc.execute_interactive("a += 1", timeout=60, output_hook=on_output)
-    assert reply["content"]["status"] == "ok", (reply["content"], stderr)
-    assert "waiting for 1 GPU(s)" in "".join(stderr) and not hogs
-    assert "moving this kernel" not in "".join(stderr)  # no other server: no migration
+    assert reply["content"]["status"] == "ok", (reply["content"], notices)
+    assert not hogs and not stderr, (notices, stderr)
+    # One line, shown once and changed in place: its last form says how long the cell waited.
+    kinds = [kind for kind, _ in notices]
+    assert kinds[0] == "display_data" and set(kinds[1:]) <= {"update_display_data"}, notices
+    assert "waiting for 1 GPU(s)" in notices[0][1], notices
+    assert re.fullmatch(r"\[gpuhub\] waited \d+ s for 1 GPU\(s\); running on gpu\d", notices[-1][1]), notices
+    assert not any("moving this kernel" in text for _, text in notices)  # no other server: no migration
     assert assert_equal_namespaces(gpu_kernel, ["a"])["a"].endswith("2")
 
 
@@ -448,18 +457,20 @@ def test_a_cell_waiting_for_a_gpu_runs_on_a_replacement_that_joins_meanwhile(tmp
             take_the_gpu(cluster.agent(node), f"hog{node[-1]}")
 
         msg_id = kernel.kc.execute("x += 1\nimport os; print(os.environ['GPUHUB_NODE'], x)")
-        streams = {"stdout": "", "stderr": ""}
+        streams = {"stdout": "", "stderr": "", "notice": ""}
 
         def next_of_cell() -> dict:
             while True:
                 msg = kernel.kc.get_iopub_msg(timeout=60)
                 if msg["parent_header"].get("msg_id") == msg_id:
-                    if msg["msg_type"] == "stream":
+                    if (text := notice_text(msg["msg_type"], msg["content"])) is not None:
+                        streams["notice"] += text + "\n"
+                    elif msg["msg_type"] == "stream":
                         streams[msg["content"]["name"]] += msg["content"]["text"]
                     return msg
         # It waits for the replacement, or (when it asks before the scheduler has counted the
         # dead replica lost) the scheduler moves a busy server's replica to the spare server.
-        wait_for(lambda: next_of_cell() and re.search("waiting for 1 GPU|moving this kernel", streams["stderr"]),
+        wait_for(lambda: next_of_cell() and re.search("waiting for 1 GPU|moving this kernel", streams["notice"]),
                  60, "the cell to say that it waits for a GPU")
 
         def replaced():

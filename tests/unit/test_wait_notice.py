@@ -1,0 +1,39 @@
+"""The "waiting for a GPU" status line: one output, changed in place, that says at the end how
+long the cell waited (gpuhub/kernel/wait_notice.py)."""
+
+from __future__ import annotations
+
+from gpuhub.kernel.wait_notice import WaitNotice, notice_text
+
+
+def sent_by(notice_cell: str):
+    sent: list[tuple[str, dict]] = []
+    return WaitNotice(notice_cell, lambda kind, content: sent.append((kind, content))), sent
+
+
+def test_the_first_word_is_a_display_and_later_ones_update_it_in_place():
+    notice, sent = sent_by("cell-1")
+    notice.show("[gpuhub] waiting for 1 GPU(s): all busy; waited 0 s…")
+    notice.show("[gpuhub] waiting for 1 GPU(s): all busy; waited 0 s…")  # nothing new: nothing sent
+    notice.show("[gpuhub] waiting for 1 GPU(s): all busy; waited 30 s…")
+    notice.settle("[gpuhub] waited 41 s for 1 GPU(s); running on gpu2")
+    assert [kind for kind, _ in sent] == ["display_data", "update_display_data", "update_display_data"]
+    ids = {content["transient"]["display_id"] for _, content in sent}
+    assert ids == {"gpuhub-wait-cell-1"}
+    assert [notice_text(kind, content) for kind, content in sent] == [
+        "[gpuhub] waiting for 1 GPU(s): all busy; waited 0 s…",
+        "[gpuhub] waiting for 1 GPU(s): all busy; waited 30 s…",
+        "[gpuhub] waited 41 s for 1 GPU(s); running on gpu2",
+    ]
+
+
+def test_a_cell_that_never_waited_shows_nothing():
+    notice, sent = sent_by("cell-2")
+    notice.settle("[gpuhub] waited 0 s for 1 GPU(s)")
+    assert sent == []
+
+
+def test_other_outputs_are_not_notices():
+    assert notice_text("stream", {"name": "stderr", "text": "waiting"}) is None
+    assert notice_text("display_data", {"data": {"text/plain": "x"}, "metadata": {}}) is None
+    assert notice_text("display_data", {"data": {"text/plain": "x"}, "transient": {"display_id": "mine"}}) is None
