@@ -524,7 +524,7 @@ def test_modules_a_cell_imported_are_imported_by_the_replica_for_the_next_cells(
     reply, out = run(kc, "def f():\n    import this\nf()")  # imported, and no name in the namespace
     assert reply["status"] == "ok" and "Beautiful is better than ugly." in out["stdout"]
     wait_for(lambda: run(kc, check)[1] == {"stdout": "True\n", "stderr": "", "results": [], "errors": [],
-                                            "displays": []}, 30, "the replica to import the module")
+                                            "displays": [], "notices": []}, 30, "the replica to import the module")
 
 
 def test_a_gpu_cells_working_directory_and_environment_reach_the_next_cells_process(fresh_gpu_kernel, tmp_path):

@@ -579,6 +579,7 @@ def test_what_an_import_prints_is_shown_once_as_by_a_plain_ipykernel(dev_cluster
     try:
         first = ok(k, "import this")
         assert first["stdout"] == plain[0] and first["stdout"].count(zen) == 1 and first["stderr"] == ""
-        assert ok(k, "x = 1") == {"stdout": plain[1], "stderr": "", "results": [], "errors": [], "displays": []}
+        assert ok(k, "x = 1") == {"stdout": plain[1], "stderr": "", "results": [], "errors": [], "displays": [],
+                                  "notices": []}
     finally:
         k.close()
