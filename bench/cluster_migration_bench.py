@@ -30,7 +30,7 @@ def timed(channel) -> tuple[float, float, str, str]:
     out = channel.run(TIMED, timeout=600)
     t1 = time.time()
     started, host = out["stdout"].split()[:2]
-    return float(started) - t0, t1 - t0, host, out["stderr"]
+    return float(started) - t0, t1 - t0, host, "\n".join(out["notices"])
 
 
 def trial(cluster, alice, mb: int) -> tuple[float, float, float, float]:

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuhub.kernel.wait_notice import notice_text
+
 CELLS = int(os.environ.get("GPUHUB_LOAD_CELLS", "20"))
 WORK_S = 1.0  # what each cell does while it holds its GPU
 THINK_S = (0.5, 2.5)  # the user's pause between a reply and the next cell
@@ -50,7 +52,7 @@ class UserRun:
     first_cell_s: float = 0.0
     starts: list[float] = field(default_factory=list)  # submit → the cell's first line
     round_trips: list[float] = field(default_factory=list)  # submit → execute_reply
-    waited: int = 0  # cells that showed a status line on stderr (waiting for a GPU, moving …)
+    waited: int = 0  # cells that showed a status line (waiting for a GPU, moving …)
     failures: list[str] = field(default_factory=list)
     replies: Counter = field(default_factory=Counter)  # msg_id → execute_replies seen
     lines: dict = field(default_factory=dict)  # msg_id → stdout text seen
@@ -86,6 +88,8 @@ def run_cell(channel, run: UserRun, code: str) -> dict:
             out["reply"], out["replied"] = content, time.time()
         elif kind == "stream" and content.get("name") == "stderr":
             out["stderr"] += content.get("text", "")
+        elif notice_text(kind, content) is not None:  # waiting for a GPU, moving the kernel …
+            out["waited"] = True
         elif kind == "error":
             out["stderr"] += "\n".join(content.get("traceback", []))
         elif kind == "status":
@@ -130,7 +134,7 @@ def one_user(cluster, run: UserRun, ready: threading.Barrier, seed: int) -> None
             run.cells_to = out["replied"]
             run.starts.append(float(fields[1]) - out["submitted"])
             run.round_trips.append(out["replied"] - out["submitted"])
-            run.waited += bool(out["stderr"].strip())
+            run.waited += bool(out.get("waited"))
             time.sleep(think.uniform(*THINK_S))  # the user reads the output (load shape, not a wait)
     finally:
         channel.close()

@@ -19,17 +19,21 @@ import time
 from pathlib import Path
 
 from gpuhub.dev.cluster import DevCluster, DevKernel
+from gpuhub.kernel.wait_notice import notice_text
 
 SIZES_MB = (100, 1024)
 TRIALS = {100: 5, 1024: 3}
 
 
 def timed_cell(kernel: DevKernel) -> tuple[float, float, str, str]:
-    """(submit → start, submit → reply) seconds of a cell, its stdout and stderr."""
-    out = {"stdout": "", "stderr": ""}
+    """(submit → start, submit → reply) seconds of a cell, the server it ran on, and its status
+    lines ("waiting for a GPU: moving this kernel to …") one per line."""
+    out = {"stdout": "", "stderr": "", "notices": ""}
 
     def on_output(msg):
-        if msg["msg_type"] == "stream":
+        if (text := notice_text(msg["msg_type"], msg["content"])) is not None:
+            out["notices"] += text + "\n"
+        elif msg["msg_type"] == "stream":
             out[msg["content"]["name"]] += msg["content"]["text"]
 
     t0 = time.time()
@@ -39,7 +43,7 @@ def timed_cell(kernel: DevKernel) -> tuple[float, float, str, str]:
     if reply["content"]["status"] != "ok":
         raise RuntimeError(f"the timed cell failed: {reply['content']} {out}")
     started = float(out["stdout"].split()[0])
-    return started - t0, t1 - t0, out["stdout"].split()[1], out["stderr"]
+    return started - t0, t1 - t0, out["stdout"].split()[1], out["notices"]
 
 
 def trial(cluster: DevCluster, mb: int) -> tuple[float, float, float, float]:
