@@ -18,9 +18,11 @@ from collections.abc import Callable
 # (msg_type, content) to the kernel's iopub, as a reply to the waiting cell.
 Publish = Callable[[str, dict], None]
 
+DISPLAY_ID_PREFIX = "gpuhub-wait-"
+
 
 def display_id(cell: str) -> str:
-    return f"gpuhub-wait-{cell}"
+    return DISPLAY_ID_PREFIX + cell
 
 
 class WaitNotice:
@@ -51,6 +53,6 @@ def notice_text(msg_type: str, content: dict) -> str | None:
     """The status line's text if an iopub message (type and content) shows or updates one, else None."""
     if msg_type not in ("display_data", "update_display_data"):
         return None
-    if not str((content.get("transient") or {}).get("display_id", "")).startswith("gpuhub-wait-"):
+    if not str((content.get("transient") or {}).get("display_id", "")).startswith(DISPLAY_ID_PREFIX):
         return None
     return str((content.get("data") or {}).get("text/plain", ""))
