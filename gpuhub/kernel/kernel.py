@@ -324,7 +324,8 @@ class GpuhubKernel(Refusals, IPythonKernel):
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
                       decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor is not None:
-                notice.settle(self._waited_text(time.monotonic() - started, rep, decision.executor))
+                notice.settle(self._waited_text(time.monotonic() - started, rep, decision.executor),
+                              runs_it_after=attempt if decision.executor == rep.id else None)
             if decision.executor == rep.id:
                 return await self._execute_here(cell, attempt, grant, code, silent, store_history,
                                                 user_expressions, allow_stdin, cell_meta, cell_id)

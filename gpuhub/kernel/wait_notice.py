@@ -8,7 +8,9 @@ an output in place), and when the cell starts its last form says how long it wai
 do not update displays in place (a terminal console) show its first form only.
 
 The display id is the cell's, so it is the same on every replica: whichever replica speaks for
-the waiting cell updates the same line.
+the waiting cell updates the same line. The replica that runs the cell changes it too when the wait
+ends, even if another showed it: only the executor's outputs are ordered before the cell's own
+outputs and its idle, so a follower's last word could reach the client after the cell had ended.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from collections.abc import Callable
 Publish = Callable[[str, dict], None]
 
 DISPLAY_ID_PREFIX = "gpuhub-wait-"
+
+# Elections are numbered alike on every replica. The first one of a cell is tentative and says
+# nothing; one that found every server busy after it shows the line. So a cell decided at this
+# attempt or later has had its line shown.
+SHOWN_FROM_ATTEMPT = 2
 
 
 def display_id(cell: str) -> str:
@@ -40,10 +47,15 @@ class WaitNotice:
         self.publish("display_data" if self.text is None else "update_display_data", self._content(text))
         self.text = text
 
-    def settle(self, text: str) -> None:
-        """The cell's wait is over: its line, if this replica showed one, becomes ``text``."""
+    def settle(self, text: str, *, runs_it_after: int | None = None) -> None:
+        """The cell's wait is over: its line becomes ``text`` if this replica showed it, or if this
+        replica runs the cell (``runs_it_after``: the attempt that elected it) after the line was
+        shown by whichever replica showed it."""
         if self.text is not None:
             self.show(text)
+        elif runs_it_after is not None and runs_it_after >= SHOWN_FROM_ATTEMPT:
+            self.publish("update_display_data", self._content(text))
+            self.text = text
 
     def _content(self, text: str) -> dict:
         return {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id(self.cell)}}

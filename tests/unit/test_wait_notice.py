@@ -37,3 +37,15 @@ def test_other_outputs_are_not_notices():
     assert notice_text("stream", {"name": "stderr", "text": "waiting"}) is None
     assert notice_text("display_data", {"data": {"text/plain": "x"}, "metadata": {}}) is None
     assert notice_text("display_data", {"data": {"text/plain": "x"}, "transient": {"display_id": "mine"}}) is None
+
+
+def test_the_replica_that_runs_the_cell_ends_a_line_another_replica_showed():
+    # Only the executor's outputs come before the cell's own outputs and its idle, so it settles
+    # the line too; a follower's word could reach the client after the cell has ended.
+    notice, sent = sent_by("cell-3")
+    notice.settle("[gpuhub] waited 0 s for 1 GPU(s); running on gpu1", runs_it_after=0)  # no line was shown
+    notice.settle("[gpuhub] waited 0 s for 1 GPU(s); running on gpu1", runs_it_after=1)
+    assert sent == []
+    notice.settle("[gpuhub] waited 31 s for 1 GPU(s); running on gpu1", runs_it_after=2)
+    assert [(kind, notice_text(kind, content)) for kind, content in sent] == [
+        ("update_display_data", "[gpuhub] waited 31 s for 1 GPU(s); running on gpu1")]
