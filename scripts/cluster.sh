@@ -4,10 +4,11 @@
 #   scripts/cluster.sh up NAME       build/reuse the image, start hub + gpu1..3, write the inventory
 #   scripts/cluster.sh deploy NAME   ansible-playbook site.yml against it
 #   scripts/cluster.sh info NAME     the hub URL, the users and their generated passwords
-#   scripts/cluster.sh down NAME     remove its containers, network and generated files
+#   scripts/cluster.sh down NAME     remove its containers, network, /home volume and generated files
 #   scripts/cluster.sh inventory NAME   print the inventory path (for tests and molecule)
 #
-# Hosts: `hub1` (hub + notebook host + monitoring) and `gpu1`..`gpu3` (2 fake GPUs each).
+# Hosts: `hub1` (hub + notebook host + monitoring) and `gpu1`..`gpu3` (2 fake GPUs each), all
+# with one shared /home (a podman volume, as a site's NFS home is).
 # Every podman resource is named gpuhub-NAME-*; traffic goes only to the containers' own addresses.
 # Generated files live under .cache/NAME/ (ssh key, inventory, credentials).
 # Environment: GPUHUB_GPU_NODES (default 3), GPUHUB_FAKE_GPUS (per node, default 2),
@@ -36,7 +37,7 @@ log() { printf '%s[cluster %s]%s %s\n' "$B" "$(date +%H:%M:%S)" "$N" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 usage() {
-  sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -55,6 +56,9 @@ hosts() {
 
 ctr() { echo "gpuhub-$NAME-$1"; }
 net() { echo "gpuhub-$NAME"; }
+# One /home for every host, as a site's NFS (or Lustre, CephFS) home is: a notebook saved or a file
+# uploaded through JupyterLab on the hub is there for the kernel's replicas on the GPU servers.
+home_volume() { echo "gpuhub-$NAME-home"; }
 
 # Fixed addresses, as servers have: a container that is powered off and started again (the
 # end-to-end tests do) would otherwise come back with a new one, unknown to the inventory and to
@@ -144,6 +148,8 @@ cmd_up() {
   mkdir -p "$dir/ssh" "$dir/inventory/group_vars" "$dir/inventory/host_vars"
   [ -f "$dir/ssh/id_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -C "gpuhub-$NAME" -f "$dir/ssh/id_ed25519"
   podman network exists "$(net)" || podman network create "$(net)" >/dev/null
+  podman volume exists "$(home_volume)" ||
+    podman volume create --label "gpuhub.cluster=$NAME" "$(home_volume)" >/dev/null
 
   local h c
   local -a devopts
@@ -162,6 +168,7 @@ cmd_up() {
       --cap-add SYS_ADMIN "${devopts[@]}" \
       --label "gpuhub.cluster=$NAME" \
       -v "$dir/apt/$h:/var/cache/apt/archives:Z" \
+      -v "$(home_volume):/home" \
       "$IMAGE" /sbin/init >/dev/null
     log "$h: started ($c)"
   done
@@ -213,6 +220,11 @@ WantedBy=sysinit.target
 UNIT
 }
 
+# Whether the hub's container mounts the shared /home (a cluster made before it existed does not).
+shared_home() {
+  podman inspect "$(ctr "$HUB")" --format '{{range .Mounts}}{{.Name}} {{end}}' | grep -qw -- "$(home_volume)"
+}
+
 write_inventory() {
   local dir="$CACHE/$NAME/inventory" h ip
   {
@@ -258,6 +270,10 @@ write_inventory() {
     for ((u = 1; u <= LOAD_USERS; u++)); do
       printf '  - {name: load%02d, uid: %d}\n' "$u" $((2100 + u))
     done
+    if shared_home; then
+      echo "# /home is one volume on every host (scripts/cluster.sh home_volume): homes are made on the hub."
+      echo "gpuhub_users_shared_home: true"
+    fi
     echo "gpuhub_hub_admin_users: [alice]"
     echo "# carol's tiny quota: tests/cluster/test_quota.py uses it up with one cell."
     echo "gpuhub_quota_users:"
@@ -380,6 +396,7 @@ converge() {
 
 no_containers_left() { [ -z "$(ours)" ]; }
 no_network_left() { ! podman network exists "$(net)"; }
+no_home_left() { ! podman volume exists "$(home_volume)"; }
 
 cmd_down() {
   apt_collect
@@ -392,6 +409,9 @@ cmd_down() {
   fi
   if podman network exists "$(net)"; then
     converge "removing network $(net)" no_network_left podman network rm -f "$(net)" || exit 2
+  fi
+  if podman volume exists "$(home_volume)"; then
+    converge "removing volume $(home_volume)" no_home_left podman volume rm -f "$(home_volume)" || exit 2
   fi
   rm -rf "${CACHE:?}/$NAME"
   log "cluster $NAME is down"

@@ -390,6 +390,39 @@ def kernel_units(cluster, kernel_id: str) -> dict[tuple[str, str], dict[str, str
     return found
 
 
+def test_files_saved_in_jupyterlab_are_the_kernels_files_on_the_gpu_servers(cluster, alice):
+    """One /home on every host (a site's NFS; the test cluster's shared volume): a notebook opened in
+    a folder, as JupyterLab opens it (a session), starts its kernel's replicas on the GPU servers in
+    that folder; they read what the user uploaded there, and what a cell writes shows in the file
+    browser."""
+    folder = f"project-{uuid.uuid4().hex[:8]}"
+    contents = f"/user/alice/api/contents/{folder}"
+    assert alice.api("PUT", contents, json={"type": "directory"}).status_code == 201
+    r = alice.api("PUT", f"{contents}/data.csv", json={"type": "file", "format": "text", "content": "a,b\n1,2\n3,4\n"})
+    assert r.status_code == 201, r.text[:300]
+    r = alice.api("POST", "/user/alice/api/sessions", json={
+        "path": f"{folder}/analysis.ipynb", "type": "notebook", "name": "analysis.ipynb",
+        "kernel": {"name": "gpuhub-gpu1"}})
+    assert r.status_code == 201, r.text[:800]
+    session = r.json()
+    channel = alice.kernel(session["kernel"]["id"])
+    try:
+        out = channel.run("import os, pandas, socket\ndf = pandas.read_csv('data.csv')\n"
+                          "df.assign(c=df.a * df.b).to_csv('products.csv', index=False)\n"
+                          "print(socket.gethostname(), os.getcwd(), int(df.b.sum()))")
+        host, cwd, total = out["stdout"].split()
+        assert host in cluster.groups["gpu_nodes"], out
+        assert (cwd, total) == (f"/home/alice/{folder}", "6"), out
+        assert "does not exist on node" not in out["stderr"], out
+        r = alice.api("GET", f"{contents}/products.csv", params={"content": "1", "format": "text", "type": "file"})
+        assert r.status_code == 200 and r.json()["content"] == "a,b,c\n1,2,2\n3,4,12\n", r.text[:300]
+    finally:
+        channel.close()
+        alice.api("DELETE", f"/user/alice/api/sessions/{session['id']}")
+        for name in ("products.csv", "data.csv", ""):
+            alice.api("DELETE", f"{contents}/{name}".rstrip("/"))
+
+
 def test_kernel_unit_runs_as_the_user_on_a_gpu_node(cluster, alice_kernel):
     _kid, channel = alice_kernel
     host = channel.run(WHERE)["stdout"].split()[0]
