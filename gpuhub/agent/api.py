@@ -157,11 +157,13 @@ class UnitHandler(AgentHandler):
 class FenceHandler(AgentHandler):
     def post(self, name: str) -> None:
         """The scheduler is about to move this replica away (a migration, a drain): no new GPU
-        leases for it; the answer lists those it holds now (then the move is called off)."""
-        held = self.agent.fence(name)
-        if held is None:
+        leases for it, and no new CPU cell; the answer lists the leases it holds now and says
+        whether it runs a CPU cell (either calls the move off)."""
+        fence = self.agent.fence(name)
+        if fence is None:
             raise ApiError(404, f"no unit {name}")
-        self.write_json({"unit": name, "fenced": True, "leases": held})
+        held, executing = fence
+        self.write_json({"unit": name, "fenced": True, "leases": held, "executing": executing})
 
     def delete(self, name: str) -> None:
         self.agent.unfence(name)

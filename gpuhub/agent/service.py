@@ -49,7 +49,7 @@ from gpuhub.agent.recovery import (
 )
 from gpuhub.agent.units import UNIT_NAME, UnitConflict, UnitError, UnitSpec, make_runner
 from gpuhub.gpus.inventory import GpuInventory, open_inventory
-from gpuhub.platform import releases
+from gpuhub.platform import move_fence, releases
 from gpuhub.platform.curve import with_keys
 from gpuhub.platform.store import CorruptStore, JsonStore
 from gpuhub.platform.tls import local_api_url
@@ -641,24 +641,42 @@ class Agent:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def fence(self, name: str) -> list[str] | None:
+    def fence(self, name: str) -> tuple[list[str], bool] | None:
         """Grant no more GPUs to unit ``name``, which a migration or a drain is about to take out of
-        its kernel's group; the leases it holds now (a replica holding one runs a cell, or may have
-        been elected to run the waiting one, and must not be moved), or None when there is no such unit. A replica
-        proposes to run a cell only once it holds a lease, so a fenced replica without one can
-        never become the cell's executor. The fence lapses after FENCE_S, should the scheduler
-        that set it never come back to finish or call off the move."""
-        if name not in self.units:
+        its kernel's group, and tell a CPU kernel's replica so (gpuhub/platform/move_fence.py).
+        Returns the leases it holds now and whether it says it runs a CPU cell (a replica that does
+        either runs a cell, or may have been elected to run the waiting one, and must not be moved),
+        or None when there is no such unit. A replica proposes to run a cell only once it holds a
+        lease (a CPU kernel's: once it marked itself executing and found no fence), so a fenced
+        replica that does neither can never become a cell's executor. The fence lapses after
+        FENCE_S, should the scheduler that set it never come back to finish or call off the move."""
+        u = self.units.get(name)
+        if u is None:
             return None
         self.fenced[name] = time.monotonic() + FENCE_S
+        udir = self.runner.unit_dir(name)
+        running_cpu_cell = False
+        if u.kind == "kernel" and udir.is_dir():
+            # the fence file first, then the replica's mark: the replica writes and reads them the other way
+            try:
+                self.runner.write_user_file(udir / move_fence.FENCE_FILE, move_fence.fence_text(FENCE_S), u.user)
+            except (OSError, UnitError) as exc:
+                log.warning("could not fence %s for its CPU cells: %s", name, exc)
+            running_cpu_cell = move_fence.executing(udir)
         held = [le for le in self.book.leases.values() if le.holder == name]
         # no cell runs under a lingering lease: it must not hold the move up
         self._take_back_soon([le for le in held if le.lingering_pid is not None])
-        return sorted(le.lease_id for le in held if le.lingering_pid is None)
+        return sorted(le.lease_id for le in held if le.lingering_pid is None), running_cpu_cell
 
     def unfence(self, name: str) -> None:
-        """The move did not happen: ``name`` may take GPUs again."""
+        """The move did not happen: ``name`` may take GPUs, and run CPU cells, again."""
         self.fenced.pop(name, None)
+        self._drop_fence_file(name)
+
+    def _drop_fence_file(self, name: str) -> None:
+        if UNIT_NAME.match(name):
+            with contextlib.suppress(OSError):
+                (self.runner.unit_dir(name) / move_fence.FENCE_FILE).unlink()
 
     def release(self, unit: UnitRecord, lease_id: str, waited_s: float | None = None) -> bool:
         """Take a lease back. ``waited_s``: the kernel ran a cell under it, which had waited that

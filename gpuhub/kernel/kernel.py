@@ -37,6 +37,7 @@ from gpuhub.kernel.replica import Replica
 from gpuhub.kernel.wait_notice import WaitNotice
 from gpuhub.kernel.warm_imports import ImportWarmer
 from gpuhub.platform.messages import DISPATCH_NOTE, GROUP_CHANGE
+from gpuhub.platform.move_fence import CellMark
 from gpuhub.replication.log import CellOutcome, RaftUnavailable
 
 log = logging.getLogger("gpuhub.kernel")
@@ -167,6 +168,9 @@ class GpuhubKernel(Refusals, IPythonKernel):
             # a GPU cell gets its lease through the group's election (a group of one at least)
             raise RuntimeError("gpuhub: a GPU kernel runs in a group of replicas and GPUHUB_PEERS_FILE "
                                "is unset; start it through the agent or `gpuhub local-kernel`")
+        # A CPU cell holds no lease: this mark tells the agent it runs one, so that a drain or a
+        # migration moves this replica only between cells (gpuhub/platform/move_fence.py).
+        self.cell_mark = CellMark.from_env() if self.replica is not None and self.gpus == 0 else None
         if self.replica is not None:
             process_state.take_baseline()  # before any cell: what cells change is carried in each image
             shell_settings.take_baseline()
@@ -311,11 +315,15 @@ class GpuhubKernel(Refusals, IPythonKernel):
             grant = self._try_grant(reclaim=not tentative and ids[attempt % len(ids)] == rep.id)
             granted = time.monotonic()
             try:
-                decision = rep.elect(cell, attempt, lead=self.gpus == 0 or grant is not None)
+                lead = grant is not None if self.gpus else self._mark_cpu_cell()
+                decision = rep.elect(cell, attempt, lead=lead)
             except BaseException:
                 if grant is not None:
                     self.lease_client.release(grant)
+                self._end_cpu_mark()
                 raise
+            if decision.executor != rep.id or decision.outcome is not None:
+                self._end_cpu_mark()
             self._phases = {"reap": reaped - asked, "grant": granted - reaped, "elect": time.monotonic() - granted}
             if grant is not None and decision.executor != rep.id:
                 self.lease_client.release(grant)  # losers give their tentative grant back at once
@@ -405,6 +413,9 @@ class GpuhubKernel(Refusals, IPythonKernel):
             if self.gpus and grant is None:
                 log.debug("cell %s: the lease holder cannot get %d GPU(s) now: an election", cell, self.gpus)
                 return None  # it yields through the election (its first proposal begins it)
+            if not self._mark_cpu_cell():
+                log.debug("cell %s: the lease holder is about to move: an election", cell)
+                return None  # the same: another replica runs it
             self._phases = {"grant": time.monotonic() - asked}
             log.debug("cell %s: run under the lease", cell)
             return await self._execute_here(cell, 0, grant, code, silent, store_history, user_expressions,
@@ -517,9 +528,31 @@ class GpuhubKernel(Refusals, IPythonKernel):
             log.warning("asking the agent for GPUs failed: %s", exc)
             return None
 
+    def _mark_cpu_cell(self) -> bool:
+        """A CPU kernel's replica about to run a cell says so to its agent; False when the agent
+        fenced it for a move (then another replica runs the cell). A replica alone in its group
+        has no other to yield to: it runs the cell, marked."""
+        mark = self.cell_mark
+        if mark is None:
+            return True
+        return mark.begin(heed_fence=len(self.replica.peers) > 1)
+
+    def _end_cpu_mark(self) -> None:
+        if self.cell_mark is not None:
+            self.cell_mark.end()
+
     async def _execute_here(self, cell, attempt, grant, code, silent, store_history, user_expressions,
                             allow_stdin, cell_meta, cell_id) -> dict:
-        """This replica runs the cell (elected, or under the lease)."""
+        """This replica runs the cell (elected, or under the lease); a CPU kernel's replica stays
+        marked as running it until its image is committed (it must not be moved before)."""
+        try:
+            return await self._execute_marked(cell, attempt, grant, code, silent, store_history,
+                                              user_expressions, allow_stdin, cell_meta, cell_id)
+        finally:
+            self._end_cpu_mark()
+
+    async def _execute_marked(self, cell, attempt, grant, code, silent, store_history, user_expressions,
+                              allow_stdin, cell_meta, cell_id) -> dict:
         rep = self.replica
         waited_s = time.monotonic() - self._cell_arrived  # until this replica held the GPUs
         self._show_startup_notice()

@@ -621,18 +621,22 @@ class Scheduler:
                 continue
             # A drain moves one replica of a kernel per pass, and only a kernel with nothing lost and
             # its last group change sent, so each move is one membership change of a full group.
-            # A replica whose GPU cell runs (it holds a lease) is left to finish it: the fence says
-            # so, and keeps it from starting another while it moves. (A CPU cell holds no lease.)
+            # A replica whose cell runs (it holds a lease, or marked itself running a CPU cell) is
+            # left to finish it: the fence says so, and keeps it from starting another while it moves.
             draining = [r for r in record.replicas if self._drained(r.node)]
-            if not draining or record.peers_pending or not await self._fence(draining[0]):
+            if not draining or record.peers_pending:
+                continue
+            if not await self._fence(draining[0]):
+                self._note(record, f"its replica on {draining[0].node} runs a cell: it moves once the cell has ended",
+                           logging.INFO)
                 continue
             if not await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")]):
                 await self._unfence(draining[0])
 
-    def _note(self, record: KernelRecord, why: str) -> None:
+    def _note(self, record: KernelRecord, why: str, level: int = logging.WARNING) -> None:
         if self._heal_notes.get(record.kernel_id) != why:
             self._heal_notes[record.kernel_id] = why
-            log.warning("kernel %s: %s", record.kernel_id, why)
+            log.log(level, "kernel %s: %s", record.kernel_id, why)
 
     async def _replace_lost(self, record: KernelRecord, lost: list[tuple[ReplicaRecord, str]]) -> bool:
         """Whether every replica in ``lost`` was replaced."""
@@ -808,12 +812,13 @@ class Scheduler:
 
     async def _fence(self, rep: ReplicaRecord) -> bool:
         """Before a migration or a drain takes ``rep`` out of the group: its agent grants it no more
-        GPUs, and says whether it holds some now. A replica that holds a GPU runs a cell, or may
-        have been elected to run the waiting one since the move was decided, and a group that lost
-        its executor would abort the cell: then the fence is lifted and the move is off (False).
-        An agent that cannot be asked cannot grant either: the move goes on (True)."""
+        GPUs and tells it to start no CPU cell, and says whether it holds GPUs or runs a CPU cell
+        now (gpuhub/platform/move_fence.py). Such a replica runs a cell, or may have been elected
+        to run the waiting one since the move was decided, and a group that lost its executor
+        would abort the cell: then the fence is lifted and the move is off (False). An agent that
+        cannot be asked cannot grant either: the move goes on (True)."""
         answer = await self._call_unit(rep, "POST", "/fence", "fence (before moving it)")
-        if not answer or not answer.get("leases"):
+        if not answer or not (answer.get("leases") or answer.get("executing")):
             return True
         await self._unfence(rep)
         return False

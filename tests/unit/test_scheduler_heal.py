@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from gpuhub.platform.http_client import ApiClientError
 from gpuhub.scheduler.config import SchedulerConfig
 from gpuhub.scheduler.service import KernelRecord, NodeRecord, ReplicaRecord, Scheduler
@@ -400,25 +402,27 @@ def test_a_lingering_lease_counts_for_no_quota_and_reaches_the_books_as_lingerin
     assert [(le.user, le.kernel_id) for le in s.live_leases()] == [("bob", "k2")]
 
 
-async def test_a_drain_lets_a_running_gpu_cell_finish_before_its_replica_moves(tmp_path, monkeypatch):
+@pytest.mark.parametrize("running", [{"leases": ["l1"]}, {"leases": [], "executing": True}],
+                         ids=["a GPU cell", "a CPU cell"])
+async def test_a_drain_lets_a_running_cell_finish_before_its_replica_moves(tmp_path, monkeypatch, running):
     import gpuhub.scheduler.service as service
 
     s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
     s.set_drained("a", True)
     started, stopped = stub_agents(s, monkeypatch)
-    leases, calls = ["l1"], []
+    answer, calls = dict(running), []
 
     async def agent(method, url, token, body=None, timeout=20.0):  # a's agent: the fence and its lifting
         calls.append((method, url))
         assert url == "http://a.invalid/api/v1/units/gpuhub-kernel-k1-r0/fence"
-        return 200, {"unit": "gpuhub-kernel-k1-r0", "fenced": method == "POST", "leases": list(leases)}
+        return 200, {"unit": "gpuhub-kernel-k1-r0", "fenced": method == "POST", **answer}
 
     monkeypatch.setattr(service, "call_json", agent)
     await s.heal()
     assert started == [] and stopped == []  # its cell runs: it stays, and may take GPUs again
     assert [m for m, _ in calls] == ["POST", "DELETE"]
-    leases.clear()
+    answer = {"leases": [], "executing": False}
     await s.heal()
     assert started == ["d"] and stopped == ["a"]
     assert [m for m, _ in calls] == ["POST", "DELETE", "POST"]  # fenced until it is stopped

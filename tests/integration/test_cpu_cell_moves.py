@@ -1,0 +1,79 @@
+"""A drain or a migration moves a CPU kernel's replica only between its cells.
+
+A CPU cell holds no GPU lease, so the agent's fence learns of it from the replica's mark
+(gpuhub/platform/move_fence.py). Real scheduler, agents and replica processes (the development
+harness), a real Jupyter client."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuhub.dev.cluster import DevCluster
+from tests.helpers import wait_for
+from tests.integration.test_gpu_cells import wait_for_output
+from tests.integration.test_replicated import (
+    ReplicatedKernel,
+    assert_equal_namespaces,
+    eventually,
+    executor_node,
+    ok,
+)
+
+
+@pytest.fixture
+def cpu_kernel_on_four_nodes(tmp_path):
+    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, node_timeout_s=3).start()
+    kernel = None
+    try:
+        kernel = ReplicatedKernel(cluster, gpus=0)
+        yield cluster, kernel
+    finally:
+        if kernel is not None:
+            kernel.close()
+        cluster.stop()
+
+
+def unit_on(kernel, node: str) -> str:
+    return next(r["unit"] for r in kernel.refresh()["replicas"] if r["node"] == node)
+
+
+def test_a_fenced_replica_leaves_the_next_cpu_cell_to_another(cpu_kernel_on_four_nodes):
+    cluster, kernel = cpu_kernel_on_four_nodes
+    ok(kernel, "x = 1")
+    holder = executor_node(kernel)  # it holds the executor lease: it would run the next cell too
+    agent, unit = cluster.agent(holder), unit_on(kernel, holder)
+    status, answer = agent.call("POST", f"/api/v1/units/{unit}/fence")  # as the scheduler does before a move
+    assert status == 200 and answer["executing"] is False and answer["leases"] == [], answer
+    out = ok(kernel, "x += 1\nimport os; print(os.environ['GPUHUB_NODE'])")
+    assert out["stdout"].strip() != holder  # another replica ran it, under an election
+    status, answer = agent.call("POST", f"/api/v1/units/{unit}/fence")
+    assert answer["executing"] is False, answer  # the fenced replica never marked itself running
+    assert agent.call("DELETE", f"/api/v1/units/{unit}/fence")[0] == 200
+    assert ok(kernel, "print(x)")["stdout"] == "2\n"
+
+
+def test_a_drain_waits_for_the_running_cpu_cell_then_moves_its_replica(cpu_kernel_on_four_nodes, tmp_path):
+    cluster, kernel = cpu_kernel_on_four_nodes
+    ok(kernel, "x = 1")
+    victim = executor_node(kernel)
+    gate = tmp_path / "go"
+    msg_id = kernel.kc.execute(
+        "import pathlib, time\nprint('started', flush=True)\n"
+        f"while not pathlib.Path({str(gate)!r}).exists():\n    time.sleep(0.02)\nx += 1\nprint('done', x)")
+    wait_for_output(kernel.kc, msg_id, "started", timeout=60)
+    status, _ = cluster.scheduler_call("PUT", f"/api/v1/nodes/{victim}/drain", {"drained": True},
+                                       token=cluster.scheduler.token)
+    assert status == 200
+    scheduler_log = cluster.scheduler.dir / "scheduler.log"
+    wait_for(lambda: "runs a cell: it moves once the cell has ended" in scheduler_log.read_text(errors="replace"),
+             60, "the scheduler to find the drained server's replica running the cell")
+    assert victim in {r["node"] for r in kernel.refresh()["replicas"]}  # not moved under the cell
+    gate.touch()
+    reply = kernel.kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok", reply["content"]
+    wait_for(lambda: victim not in {r["node"] for r in kernel.refresh()["replicas"]}, 60,
+             f"the replica on {victim} to move once the cell ended")
+    rids = tuple(r["id"] for r in kernel.refresh()["replicas"])
+    eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids)["x"] == "2", 60, "x == 2 on the three replicas")
+    assert ok(kernel, "x += 1\nprint(x)")["stdout"] == "3\n"
