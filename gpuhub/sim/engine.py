@@ -259,6 +259,7 @@ class _Lent:
 class _SState:
     __slots__ = (
         "arrived",
+        "cpu_node",
         "done",
         "executor",
         "finished",
@@ -290,6 +291,7 @@ class _SState:
         self.lease = None
         self.lease_node: _Node | None = None
         self.executor: _Node | None = None
+        self.cpu_node: _Node | None = None  # where its running CPU cell runs (a drain waits for it)
         self.replicas: list[_Node] = []
         self.placed = False
         self.done = 0
@@ -674,6 +676,8 @@ class Simulator:
         _, _dur, g = st.s.cells[k]
         pol = self.cfg.policy
         if pol == "reservation" or g == 0:
+            if pol == "gpuhub":
+                st.cpu_node = self._cpu_executor(st)
             self._start(st, t, None, None)
             return
         if pol == "batch":
@@ -712,6 +716,15 @@ class Simulator:
             node.waiters.append(entry)
         if self.cfg.migration:
             self._push(t + self.cfg.migration_retry_s, _MIGRATE_RETRY, entry)
+
+    @staticmethod
+    def _cpu_executor(st: _SState) -> _Node | None:
+        """The replica's node a CPU cell runs on: the last executor's, unless it is draining (a
+        replica being moved leaves the cell to another, gpuhub/platform/move_fence.py)."""
+        ex = st.executor
+        if ex is not None and not ex.cordoned and ex in st.replicas:
+            return ex
+        return next((n for n in st.replicas if not n.cordoned), None)
 
     def _migrate(self, st: _SState, t: float) -> bool:
         """None of the cell's replicas' nodes can grant: move one replica where the product's
@@ -783,6 +796,9 @@ class Simulator:
         st.running = False
         st.done += 1
         k = st.done - 1
+        cpu_node, st.cpu_node = st.cpu_node, None
+        if cpu_node is not None and cpu_node.pool == "draining":
+            self._drain_node(cpu_node, t)  # its replica moves now that the CPU cell ended
         lease = st.lease
         if lease is not None:
             node = st.lease_node
@@ -925,7 +941,7 @@ class Simulator:
         stay active); a replica whose cell runs there stays until the cell ends."""
         cfg = self.cfg
         for st, i in list(node.residents.values()):
-            if st.lease_node is node:
+            if st.lease_node is node or st.cpu_node is node:
                 continue
             views = [self._view(n) for n in self.nodes if n.active]
             others = [n.name for j, n in enumerate(st.replicas) if j != i]

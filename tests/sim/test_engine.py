@@ -210,6 +210,22 @@ def test_elastic_never_releases_a_server_whose_cell_runs():
     assert r.gpu_hours_provisioned == pytest.approx(3 * 8 * 10000 / 3600)
 
 
+def test_elastic_moves_the_replica_of_a_running_cpu_cell_only_once_it_ended():
+    """The product's drain waits for a CPU cell as for a GPU one (gpuhub/platform/move_fence.py)."""
+    from gpuhub.scheduler.pool import PoolSettings
+
+    # b and the CPU kernel share the first server; a moves to a second one for its long cell. When
+    # b is gone the first server is surplus, but the CPU kernel's cell runs there until 5100.
+    tr = T(("b", 0, 1001, 4, [(0, 1000, 4)]), ("cpu", 1, 10000, 0, [(100, 5000, 0)]),
+           ("a", 2, 10000, 8, [(2, 8000, 8)]))
+    r = run(tr, policy="gpuhub", nodes=4, gpus_per_node=8, replicas=1, elastic=True, record_timeline=True,
+            pool=PoolSettings(min_active=1, spare_servers=0, release_after_s=0, replicas=1))
+    assert r.servers_released == 1 and r.migrations == 1 and r.cells_over_grant_timeout == 0
+    servers_on = {round(t): on for t, _held, on in r.timeline}
+    assert servers_on[1000] == 2 and servers_on[5100] == 1  # released when the CPU cell ended
+    assert all(on == 2 for t, _held, on in r.timeline if 42 <= t < 5100)
+
+
 def test_elastic_refuses_what_it_cannot_run():
     tr = T(("a", 0, 100, 1, [(0, 10, 1)]))
     with pytest.raises(SimError, match="choose one"):
