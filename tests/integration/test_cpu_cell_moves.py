@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from gpuhub.dev.cluster import DevCluster
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import wait_for_output
 from tests.integration.test_replicated import (
-    ReplicatedKernel,
     assert_equal_namespaces,
     eventually,
     executor_node,
     ok,
+    one_gpu_kernel_on_four_nodes,
 )
 
 
 @pytest.fixture
 def cpu_kernel_on_four_nodes(tmp_path):
-    cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, node_timeout_s=3).start()
-    kernel = None
-    try:
-        kernel = ReplicatedKernel(cluster, gpus=0)
+    with one_gpu_kernel_on_four_nodes(tmp_path, gpus=0, node_timeout_s=3) as (cluster, kernel):
         yield cluster, kernel
-    finally:
-        if kernel is not None:
-            kernel.close()
-        cluster.stop()
 
 
 def unit_on(kernel, node: str) -> str:

@@ -364,12 +364,13 @@ def eventually(check, timeout_s: float, what: str):
 
 
 @contextlib.contextmanager
-def one_gpu_kernel_on_four_nodes(tmp_path, **settings):
-    """A 1-GPU kernel whose three replicas leave one of four single-GPU nodes spare: (cluster, kernel)."""
+def one_gpu_kernel_on_four_nodes(tmp_path, gpus: int = 1, **settings):
+    """A 1-GPU kernel (``gpus=0``: a CPU one) whose three replicas leave one of four single-GPU
+    nodes spare: (cluster, kernel)."""
     cluster = DevCluster(tmp_path, nodes=4, gpus_per_node=1, **settings).start()
     kernel = None
     try:
-        kernel = ReplicatedKernel(cluster, gpus=1)
+        kernel = ReplicatedKernel(cluster, gpus=gpus)
         yield cluster, kernel
     finally:
         if kernel is not None:
