@@ -12,6 +12,7 @@ import pytest
 from gpuhub.agent.units import ProcessRunner
 from gpuhub.dev.cluster import current_user
 from gpuhub.dev.portblocks import reserve_block
+from gpuhub.platform import move_fence
 from tests.helpers import wait_for
 from tests.integration.test_gpu_cells import connect, process_alive, run
 
@@ -164,12 +165,21 @@ def test_a_fenced_replica_gets_no_gpu_and_the_fence_says_what_it_holds(make_agen
     token = _lease_token(a, "gpuhub-kernel-t1")
     held = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[1]["lease_id"]
     status, fence = a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")
-    assert status == 200 and fence == {"unit": "gpuhub-kernel-t1", "fenced": True, "leases": [held]}
+    assert status == 200 and fence == {"unit": "gpuhub-kernel-t1", "fenced": True, "leases": [held],
+                                       "executing": False}
     assert a.call("DELETE", f"/api/v1/leases/{held}", token=token)[1]["released"] is True
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["leases"] == []
     status, body = a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)
     assert status == 409, body  # a GPU is free, but not for a replica on its way out
+    # A CPU kernel's replica learns of the fence from its unit directory, and says there that a
+    # cell runs (gpuhub/platform/move_fence.py): the fence's answer says so too.
+    unit_dir = a.dir / "run" / "units" / "gpuhub-kernel-t1"
+    assert move_fence.fenced(unit_dir)
+    (unit_dir / move_fence.EXECUTING_FILE).write_bytes(b"1")
+    assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["executing"] is True
+    (unit_dir / move_fence.EXECUTING_FILE).write_bytes(b"0")
     assert a.call("DELETE", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["fenced"] is False
+    assert not move_fence.fenced(unit_dir)
     assert a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[0] == 200
     # The scheduler's call: the kernel's own lease token cannot fence or unfence.
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence", token=token)[0] == 401
