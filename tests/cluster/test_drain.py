@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.cluster.test_e2e import HubUser, every_gpu_node_heartbeats, replica_units, wait_for
+from tests.cluster.test_e2e import HubUser, four_gpu_nodes_up, replica_units, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -35,10 +35,7 @@ def scheduler_journal(cluster, since: str) -> str:
 
 
 def test_a_drain_lets_the_running_cpu_cell_finish_then_moves_the_replica_losing_nothing(cluster):
-    nodes = cluster.groups["gpu_nodes"]
-    if len(nodes) < 4:
-        pytest.skip("needs a spare GPU node: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
-    every_gpu_node_heartbeats(cluster)
+    four_gpu_nodes_up(cluster)
     hub = cluster.groups["hub"][0]
     bob = HubUser(cluster, "bob")
     bob.login()

@@ -887,6 +887,16 @@ def every_gpu_node_heartbeats(cluster) -> None:
     assert wait_for(heartbeated_since, 60, interval=1), "not every GPU node heartbeated to the scheduler"
 
 
+def four_gpu_nodes_up(cluster) -> list[str]:
+    """The GPU nodes, once every one of them heartbeats (a test before may have powered one off);
+    skips a test that needs a fourth, spare server on a cluster made with fewer."""
+    nodes = cluster.groups["gpu_nodes"]
+    if len(nodes) < 4:
+        pytest.skip("needs a spare GPU node: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
+    every_gpu_node_heartbeats(cluster)
+    return nodes
+
+
 def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
     """Runs last, on a fresh kernel. Real systemd, real power cut:
     1. a replica killed by a signal is restarted in place by systemd and the kernel goes on;
@@ -894,12 +904,9 @@ def test_zz_crashed_and_lost_replicas_come_back(cluster, alice):
        spare node (the two survivors are a majority meanwhile);
     3. the replacement holds the notebook's state and runs the next cell when the GPUs of the
        other two servers are all taken."""
-    nodes = cluster.groups["gpu_nodes"]
-    if len(nodes) < 4:
-        pytest.skip("needs a spare GPU node: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
-    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
     # The test before restarts a powered-off node: place this kernel only once every node is back.
-    every_gpu_node_heartbeats(cluster)
+    nodes = four_gpu_nodes_up(cluster)
+    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
     kid = alice.start_kernel("gpuhub-gpu1")
     channel = alice.kernel(kid)
     hogs: list[tuple[str, str]] = []

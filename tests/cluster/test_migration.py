@@ -9,7 +9,7 @@ import pytest
 from tests.cluster.test_e2e import (
     WHERE,
     HubUser,
-    every_gpu_node_heartbeats,
+    four_gpu_nodes_up,
     hold_every_gpu,
     let_go,
     replica_units,
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.cluster
 
 
 def test_a_cell_whose_servers_are_all_busy_runs_on_the_spare_server_after_a_move(cluster):
-    nodes = cluster.groups["gpu_nodes"]
-    if len(nodes) < 4:
-        pytest.skip("needs a spare GPU node: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
-    every_gpu_node_heartbeats(cluster)  # the end-to-end tests power a server off and on again
+    nodes = four_gpu_nodes_up(cluster)
     alice = HubUser(cluster, "alice")
     alice.login()
     alice.start_server("gpu1")

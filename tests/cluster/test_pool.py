@@ -12,7 +12,7 @@ import pytest
 from tests.cluster.test_e2e import (
     WHERE,
     HubUser,
-    every_gpu_node_heartbeats,
+    four_gpu_nodes_up,
     hold_every_gpu,
     let_go,
     replica_units,
@@ -45,10 +45,7 @@ def set_pool(cluster, on: bool) -> None:
 
 
 def test_an_idle_server_is_lent_through_the_hook_and_acquired_back_for_a_waiting_cell(cluster):
-    nodes = cluster.groups["gpu_nodes"]
-    if len(nodes) < 4:
-        pytest.skip("needs four GPU nodes: a cluster made with GPUHUB_GPU_NODES=4 (make test-cluster does)")
-    every_gpu_node_heartbeats(cluster)
+    nodes = four_gpu_nodes_up(cluster)
     hub = cluster.groups["hub"][0]
     cluster.exec(hub, "sh", "-c", f"cat > {HOOK_PATH} <<'EOF'\n{HOOK}EOF\nchmod 0755 {HOOK_PATH}; rm -f {HOOK_LOG}")
     set_pool(cluster, True)
