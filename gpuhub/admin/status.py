@@ -113,9 +113,13 @@ def drain(sched: Scheduler, args) -> tuple[dict, str]:
         deadline = time.monotonic() + args.timeout
         left, told = view.get("kernel_replicas") or 0, None
         while left:
-            if left != told:
+            said = (left, *(f"kernel {w['kernel_id']} of {w['user']}: its replica here {w['why']}"
+                            for w in view.get("drain_waits") or ()))
+            if said != told:
                 print(f"{args.node}: {left} kernel replica(s) still to move", file=sys.stderr, flush=True)
-                told = left
+                for line in said[1:]:
+                    print(f"  waiting for {line}", file=sys.stderr, flush=True)
+                told = said
             if time.monotonic() > deadline:
                 raise StatusError(f"{args.node} still runs {left} kernel replica(s) after {args.timeout:g} s "
                                   "(gpuhub kernels shows them; the scheduler's journal says why)", 1)

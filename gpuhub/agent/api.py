@@ -14,7 +14,7 @@ from gpuhub.agent.leases import LeaseError
 from gpuhub.agent.lingering import LingerRefused
 from gpuhub.agent.metrics import agent_registry
 from gpuhub.agent.quota_gate import QuotaRefused
-from gpuhub.agent.service import Agent
+from gpuhub.agent.service import Agent, FenceError
 from gpuhub.agent.units import UnitConflict, UnitError
 from gpuhub.platform.http_client import ApiClientError, call_json
 from gpuhub.platform.http_server import (
@@ -159,7 +159,10 @@ class FenceHandler(AgentHandler):
         """The scheduler is about to move this replica away (a migration, a drain): no new GPU
         leases for it, and no new CPU cell; the answer lists the leases it holds now and says
         whether it runs a CPU cell (either calls the move off)."""
-        fence = self.agent.fence(name)
+        try:
+            fence = self.agent.fence(name)
+        except FenceError as exc:
+            raise ApiError(503, str(exc)) from None
         if fence is None:
             raise ApiError(404, f"no unit {name}")
         held, executing = fence

@@ -66,6 +66,10 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # the new replica, change the group, stop the old one), short enough that a lost "call it off"
 # costs that replica its GPUs for a few minutes at most.
 FENCE_S = 180.0
+
+
+class FenceError(RuntimeError):
+    """A replica could not be fenced (Agent.fence): the move it guards must wait."""
 # A lingering lease older than the kernel's linger time by this much is taken back by the agent.
 LINGER_SLACK_S = 60.0
 
@@ -649,7 +653,9 @@ class Agent:
         or None when there is no such unit. A replica proposes to run a cell only once it holds a
         lease (a CPU kernel's: once it marked itself executing and found no fence), so a fenced
         replica that does neither can never become a cell's executor. The fence lapses after
-        FENCE_S, should the scheduler that set it never come back to finish or call off the move."""
+        FENCE_S, should the scheduler that set it never come back to finish or call off the move.
+        Raises FenceError when the fence file cannot be written (a full /run): a replica that never
+        sees the fence could start a CPU cell, so the move must wait."""
         u = self.units.get(name)
         if u is None:
             return None
@@ -662,6 +668,7 @@ class Agent:
                 self.runner.write_user_file(udir / move_fence.FENCE_FILE, move_fence.fence_text(FENCE_S), u.user)
             except (OSError, UnitError) as exc:
                 log.warning("could not fence %s for its CPU cells: %s", name, exc)
+                raise FenceError(f"could not write the fence of {name} for its CPU cells: {exc}") from None
             running_cpu_cell = move_fence.executing(udir)
         held = [le for le in self.book.leases.values() if le.holder == name]
         # no cell runs under a lingering lease: it must not hold the move up

@@ -332,8 +332,12 @@ class GpuhubKernel(Refusals, IPythonKernel):
             log.debug("cell %s attempt %d: executor %s after %.1f ms (raft leader here: %s)", cell, attempt,
                       decision.executor, (time.monotonic() - started) * 1000, rep.raft.is_leader)
             if decision.executor is not None:
-                notice.settle(self._waited_text(time.monotonic() - started, rep, decision.executor),
-                              runs_it_after=attempt if decision.executor == rep.id else None)
+                try:
+                    notice.settle(self._waited_text(time.monotonic() - started, rep, decision.executor),
+                                  runs_it_after=attempt if decision.executor == rep.id else None)
+                except BaseException:
+                    self._end_cpu_mark()  # marked as the executor, and never to run it
+                    raise
             if decision.executor == rep.id:
                 return await self._execute_here(cell, attempt, grant, code, silent, store_history,
                                                 user_expressions, allow_stdin, cell_meta, cell_id)
@@ -349,14 +353,24 @@ class GpuhubKernel(Refusals, IPythonKernel):
             if self._interrupted.is_set() or waited >= self.grant_timeout_s:
                 if self._interrupted.is_set():
                     reason, detail = "interrupted", "interrupted while waiting for a GPU"
-                else:
+                elif self.gpus:
                     reason = "no-gpu"
                     detail = f"no GPU became free on any of this kernel's servers within {self.grant_timeout_s:g} s"
+                else:  # every replica was fenced for a move all along (gpuhub/platform/move_fence.py)
+                    reason = "no-gpu"
+                    detail = f"no replica of this kernel could run it within {self.grant_timeout_s:g} s: " \
+                             "they were being moved to other servers"
                 return self._ended_without_result(
                     rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
             election = rep.state.elections.get((cell, attempt))
             announcer = min(election.proposals) if election and election.proposals else rep.id
-            if announcer == rep.id and not tentative:  # a round that reclaimed nothing says nothing yet
+            if announcer == rep.id and not tentative and not self.gpus:
+                # a CPU cell waits only while its replicas are fenced, being moved (a drain)
+                if told is None or waited - told >= 30:
+                    notice.show(f"[gpuhub] waiting: this kernel's replicas are being moved to other servers; "
+                                f"waited {waited:.0f} s…")
+                    told = waited
+            elif announcer == rep.id and not tentative:  # a round that reclaimed nothing says nothing yet
                 # a move takes a replica out of the group for a while: only a whole group can afford it
                 target = moves.ask(waited) if rep.group_whole() else None
                 if target is not None and target != moves.told:

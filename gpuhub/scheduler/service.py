@@ -41,6 +41,8 @@ CHANGED_KEPT_S = 300.0  # how long a created or deleted kernel's id is remembere
 REPLICA_RESTARTS_LOST = 3
 # A migration asks at most this many candidate servers whether they can still grant.
 MIGRATION_CANDIDATES = 3
+# A drain that has waited this long for one replica's cell says so at WARNING, naming the user.
+DRAIN_WAIT_WARN_S = 900.0
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
 UNHEARD_POLL_S = 0.2
 # ... and for at most this long after the start (the provisioner gives a kernel creation 60 s).
@@ -157,6 +159,16 @@ class KernelRecord:
 
 
 
+@dataclass
+class DrainWait:
+    """A drain that waits for one replica's cell before it moves that replica."""
+
+    replica: int  # the replica's id
+    node: str  # its (drained) server
+    since: float  # monotonic
+    why: str = ""  # what the fence answered ("runs a CPU cell", …)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, agent_token: str | AgentTokens) -> None:
         """``agent_token``: what to present to the agents, one token for all or one per server."""
@@ -189,6 +201,9 @@ class Scheduler:
         # answer the stop. Stopped when a reconcile finds it there, not adopted back.
         self._unstopped: dict[tuple[str, str], str] = {}
         self._heal_notes: dict[str, str] = {}  # kernel -> last reason it could not be healed (log once)
+        # kernel -> the replica a drain fenced and waits for. The fence is kept while its cell
+        # runs, so that the kernel's next cell runs on another replica.
+        self._drain_waits: dict[str, DrainWait] = {}
         # Raises QuotaConfigError (a ValueError naming the setting) on limits it cannot use.
         self.quotas = Quotas(QuotaPolicy(config.quota_default, config.quota_groups, config.quota_users))
         problem = config.pool_problem()
@@ -388,10 +403,17 @@ class Scheduler:
 
     def nodes_view(self) -> list[dict]:
         placed = self._kernels_by_node()
+        now = time.monotonic()
+        waits: dict[str, list[dict]] = {}  # server -> the cells its drain waits for
+        for kid, w in self._drain_waits.items():
+            if kid in self.kernels:
+                waits.setdefault(w.node, []).append({"kernel_id": kid, "user": self.kernels[kid].user,
+                                                     "why": w.why, "waited_s": round(now - w.since, 1)})
         return [
             {"node": r.name, "url": r.url, "live": self.live(r), "last_seen": r.last_seen, "drained": r.drained,
              "state": self.node_state(r, len(placed.get(r.name, ()))),
              "kernel_replicas": len(placed.get(r.name, ())),
+             "drain_waits": waits.get(r.name, []),
              # each kernel's GPUs once over this server's GPUs (pending / (GPUs x R) for R replicas each)
              "subscription_ratio": round(sum(k.gpus / len(k.replicas) for k in placed.get(r.name, ()))
                                          / r.info["gpu_count"], 3) if r.info.get("gpu_count") else 0.0,
@@ -621,17 +643,44 @@ class Scheduler:
                 continue
             # A drain moves one replica of a kernel per pass, and only a kernel with nothing lost and
             # its last group change sent, so each move is one membership change of a full group.
-            # A replica whose cell runs (it holds a lease, or marked itself running a CPU cell) is
-            # left to finish it: the fence says so, and keeps it from starting another while it moves.
             draining = [r for r in record.replicas if self._drained(r.node)]
+            await self._lift_drain_fence(record, draining[0] if draining else None)
             if not draining or record.peers_pending:
                 continue
-            if not await self._fence(draining[0]):
-                self._note(record, f"its replica on {draining[0].node} runs a cell: it moves once the cell has ended",
-                           logging.INFO)
-                continue
-            if not await self._replace_lost(record, [(draining[0], f"node {draining[0].node} is drained")]):
-                await self._unfence(draining[0])
+            await self._drain_one(record, draining[0])
+
+    async def _drain_one(self, record: KernelRecord, rep: ReplicaRecord) -> None:
+        """Move ``rep`` off its drained server, unless its cell runs: then it is left to finish it,
+        fenced meanwhile so that the kernel's next cell runs on another replica (a notebook that
+        runs cells back to back would otherwise hold the drain up for as long as it runs)."""
+        why = await self._fence(rep)
+        if why is None:
+            self._drain_waits.pop(record.kernel_id, None)
+            if not await self._replace_lost(record, [(rep, f"node {rep.node} is drained")]):
+                await self._unfence(rep)
+            return
+        wait = self._drain_waits.get(record.kernel_id)
+        if wait is None or wait.replica != rep.id:
+            wait = self._drain_waits[record.kernel_id] = DrainWait(rep.id, rep.node, time.monotonic())
+        wait.why = why
+        if time.monotonic() - wait.since < DRAIN_WAIT_WARN_S:
+            then = "it moves once the cell has ended" if why.startswith("runs") else "tried again at the next pass"
+            self._note(record, f"its replica on {rep.node} {why}: {then}", logging.INFO)
+        else:
+            self._note(record, f"the drain of {rep.node} has waited over {DRAIN_WAIT_WARN_S / 60:.0f} min for "
+                               f"this kernel of {record.user}: its replica there {why} (the user can interrupt "
+                               "the cell; deleting the kernel ends the wait)")
+
+    async def _lift_drain_fence(self, record: KernelRecord, draining: ReplicaRecord | None) -> None:
+        """The fence a drain held on a replica of ``record`` while its cell ran goes once that replica
+        is no longer the one to move (its server was put back in service, or it left the group)."""
+        held = self._drain_waits.get(record.kernel_id)
+        if held is None or (draining is not None and draining.id == held.replica):
+            return
+        del self._drain_waits[record.kernel_id]
+        rep = next((r for r in record.replicas if r.id == held.replica), None)
+        if rep is not None:
+            await self._unfence(rep)
 
     def _note(self, record: KernelRecord, why: str, level: int = logging.WARNING) -> None:
         if self._heal_notes.get(record.kernel_id) != why:
@@ -793,9 +842,10 @@ class Scheduler:
 
     async def _migrate(self, record: KernelRecord, rep: ReplicaRecord, target: str) -> None:
         started = time.monotonic()
-        if not await self._fence(rep):
-            log.info("kernel %s: replica %d on %s got a GPU before it could be moved: it runs the cell, no move",
-                     record.kernel_id, rep.id, rep.node)
+        why = await self._fence(rep)
+        if why is not None:
+            log.info("kernel %s: replica %d on %s %s: no move", record.kernel_id, rep.id, rep.node, why)
+            await self._unfence(rep)
             self._moves.pop(record.kernel_id, None)
             return
         try:
@@ -810,18 +860,22 @@ class Scheduler:
             self.counters["migration_failures"] += 1
             await self._unfence(rep)
 
-    async def _fence(self, rep: ReplicaRecord) -> bool:
+    async def _fence(self, rep: ReplicaRecord) -> str | None:
         """Before a migration or a drain takes ``rep`` out of the group: its agent grants it no more
         GPUs and tells it to start no CPU cell, and says whether it holds GPUs or runs a CPU cell
-        now (gpuhub/platform/move_fence.py). Such a replica runs a cell, or may have been elected
-        to run the waiting one since the move was decided, and a group that lost its executor
-        would abort the cell: then the fence is lifted and the move is off (False). An agent that
-        cannot be asked cannot grant either: the move goes on (True)."""
+        now (gpuhub/platform/move_fence.py). None: fenced, and no cell runs there, so it may move.
+        Else why not: it runs a cell, or may have been elected to run the waiting one since the
+        move was decided (a group that lost its executor would abort the cell); or its agent did
+        not answer, and a CPU cell needs no agent to run (a lost server is replaced by heal, not
+        moved). The caller lifts the fence or keeps it."""
         answer = await self._call_unit(rep, "POST", "/fence", "fence (before moving it)")
-        if not answer or not (answer.get("leases") or answer.get("executing")):
-            return True
-        await self._unfence(rep)
-        return False
+        if not answer:
+            return "could not be fenced (its agent did not answer)"
+        if answer.get("leases"):
+            return "runs a GPU cell"
+        if answer.get("executing"):
+            return "runs a CPU cell"
+        return None
 
     async def _unfence(self, rep: ReplicaRecord) -> None:
         await self._call_unit(rep, "DELETE", "/fence", "lift the fence (it lapses by itself in minutes) of")
@@ -887,6 +941,7 @@ class Scheduler:
         try:
             record = self.kernels.pop(kernel_id, None)
             self._last_migration.pop(kernel_id, None)
+            self._drain_waits.pop(kernel_id, None)
             self._owner_heard.pop(kernel_id, None)
             if record is None:
                 return False

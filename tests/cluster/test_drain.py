@@ -56,7 +56,7 @@ def test_a_drain_lets_the_running_cpu_cell_finish_then_moves_the_replica_losing_
 
             drained = cluster.exec(hub, GPUHUB, "node", "drain", victim)
             assert f"{victim}: drained" in drained, drained
-            waits = f"its replica on {victim} runs a cell: it moves once the cell has ended"
+            waits = f"its replica on {victim} runs a CPU cell: it moves once the cell has ended"
             assert wait_for(lambda: waits in scheduler_journal(cluster, since), 60), scheduler_journal(cluster, since)
             assert victim in replica_units(cluster, kid)  # not moved under the running cell
 

@@ -181,6 +181,11 @@ def test_a_fenced_replica_gets_no_gpu_and_the_fence_says_what_it_holds(make_agen
     assert a.call("DELETE", "/api/v1/units/gpuhub-kernel-t1/fence")[1]["fenced"] is False
     assert not move_fence.fenced(unit_dir)
     assert a.call("POST", "/api/v1/leases", {"gpus": 1}, token=token)[0] == 200
+    # A fence its replica could not see is no fence: the move must wait (a full /run, or here a
+    # directory where the fence file goes).
+    (unit_dir / move_fence.FENCE_FILE / "x").mkdir(parents=True)
+    status, body = a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence")
+    assert status == 503 and "could not write the fence of gpuhub-kernel-t1" in body["error"], body
     # The scheduler's call: the kernel's own lease token cannot fence or unfence.
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-t1/fence", token=token)[0] == 401
     assert a.call("POST", "/api/v1/units/gpuhub-kernel-nosuch/fence")[0] == 404

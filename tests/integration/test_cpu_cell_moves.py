@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import wait_for
+from tests.integration.test_admin_cli import gpuhub_cli
 from tests.integration.test_gpu_cells import wait_for_output
 from tests.integration.test_replicated import (
     assert_equal_namespaces,
@@ -57,9 +58,15 @@ def test_a_drain_waits_for_the_running_cpu_cell_then_moves_its_replica(cpu_kerne
                                        token=cluster.scheduler.token)
     assert status == 200
     scheduler_log = cluster.scheduler.dir / "scheduler.log"
-    wait_for(lambda: "runs a cell: it moves once the cell has ended" in scheduler_log.read_text(errors="replace"),
+    wait_for(lambda: "runs a CPU cell: it moves once the cell has ended" in scheduler_log.read_text(errors="replace"),
              60, "the scheduler to find the drained server's replica running the cell")
     assert victim in {r["node"] for r in kernel.refresh()["replicas"]}  # not moved under the cell
+    # `gpuhub node drain --wait` says what it waits for, and gives up at its timeout
+    out = gpuhub_cli("node", "drain", victim, "--wait", "--timeout", "1", "--config", str(cluster.scheduler.config))
+    assert out.returncode == 1, out
+    user = kernel.refresh()["user"]
+    assert f"waiting for kernel {kernel.kernel_id} of {user}: its replica here runs a CPU cell" in out.stderr, out
+    assert f"{victim} still runs 1 kernel replica(s) after 1 s" in out.stderr, out
     gate.touch()
     reply = kernel.kc.get_shell_msg(timeout=60)
     assert reply["parent_header"]["msg_id"] == msg_id

@@ -128,7 +128,6 @@ async def test_a_drained_servers_replicas_move_before_it_is_released(tmp_path, h
     started, stopped = stub_agents(s, monkeypatch)
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
     s.nodes["d"].info["committed"] = 1  # d is busy: a, holding a replica, is the one to lend
-    monkeypatch.setattr(s, "_fence", _holds_no_gpu)
     plan = await s.pool.step()
     assert plan.drain == ("a",)
     s.started -= 60  # past the scheduler's start-up grace
@@ -138,11 +137,6 @@ async def test_a_drained_servers_replicas_move_before_it_is_released(tmp_path, h
     plan = await s.pool.step()
     await settle(s)
     assert plan.release == ("a",) and states(s)["a"] == "lent"
-
-
-async def _holds_no_gpu(rep) -> bool:
-    """The agent's answer to the fence (Scheduler._fence): the replica runs no GPU cell, it may move."""
-    return True
 
 
 async def test_a_lent_server_is_acquired_when_demand_rises_and_is_active_once_it_heartbeats(tmp_path, hook):

@@ -24,10 +24,15 @@ def scheduler_with(tmp_path, live: list[str], lost: list[str]) -> Scheduler:
     return s
 
 
-def stub_agents(s: Scheduler, monkeypatch, before_start=None) -> tuple[list[str], list[str]]:
+def stub_agents(s: Scheduler, monkeypatch, before_start=None, fence=True) -> tuple[list[str], list[str]]:
     """The agents' side of starting and stopping replicas, recorded: (started nodes, stopped nodes).
-    ``before_start(node)``, awaited first, may hold or fail a start."""
+    ``before_start(node)``, awaited first, may hold or fail a start. With ``fence``, every agent
+    fences a replica before a move and finds no cell running there (else the test answers)."""
     started, stopped = [], []
+
+    async def call_unit(rep, method, suffix, what):
+        assert suffix == "/fence", suffix
+        return {"unit": rep.unit, "fenced": method == "POST", "leases": [], "executing": False}
 
     async def start(rec, replica_id, node, key, cwd):
         if before_start is not None:
@@ -45,6 +50,8 @@ def stub_agents(s: Scheduler, monkeypatch, before_start=None) -> tuple[list[str]
     monkeypatch.setattr(s, "_start_replica", start)
     monkeypatch.setattr(s, "_stop_replica", stop)
     monkeypatch.setattr(s, "_send_peers", peers)
+    if fence:
+        monkeypatch.setattr(s, "_call_unit", call_unit)
     return started, stopped
 
 
@@ -404,13 +411,13 @@ def test_a_lingering_lease_counts_for_no_quota_and_reaches_the_books_as_lingerin
 
 @pytest.mark.parametrize("running", [{"leases": ["l1"]}, {"leases": [], "executing": True}],
                          ids=["a GPU cell", "a CPU cell"])
-async def test_a_drain_lets_a_running_cell_finish_before_its_replica_moves(tmp_path, monkeypatch, running):
+async def test_a_drain_lets_a_running_cell_finish_before_its_replica_moves(tmp_path, monkeypatch, running, caplog):
     import gpuhub.scheduler.service as service
 
     s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
     s.kernels["k1"] = record = kernel(["a", "b", "c"])
     s.set_drained("a", True)
-    started, stopped = stub_agents(s, monkeypatch)
+    started, stopped = stub_agents(s, monkeypatch, fence=False)
     answer, calls = dict(running), []
 
     async def agent(method, url, token, body=None, timeout=20.0):  # a's agent: the fence and its lifting
@@ -419,14 +426,71 @@ async def test_a_drain_lets_a_running_cell_finish_before_its_replica_moves(tmp_p
         return 200, {"unit": "gpuhub-kernel-k1-r0", "fenced": method == "POST", **answer}
 
     monkeypatch.setattr(service, "call_json", agent)
-    await s.heal()
-    assert started == [] and stopped == []  # its cell runs: it stays, and may take GPUs again
-    assert [m for m, _ in calls] == ["POST", "DELETE"]
+    with caplog.at_level(logging.INFO, logger="gpuhub.scheduler.service"):
+        await s.heal()
+        await s.heal()
+    assert started == [] and stopped == []  # its cell runs: it stays
+    # ...fenced all the while, so that the kernel's next cell runs on another replica
+    assert [m for m, _ in calls] == ["POST", "POST"]
+    kind = "GPU" if running["leases"] else "CPU"
+    said = [r.getMessage() for r in caplog.records if "k1" in r.getMessage()]
+    assert said == [f"kernel k1: its replica on a runs a {kind} cell: it moves once the cell has ended"], said
+    [view] = [v for v in s.nodes_view() if v["node"] == "a"]
+    waits = [(w["kernel_id"], w["user"], w["why"]) for w in view["drain_waits"]]
+    assert waits == [("k1", "alice", f"runs a {kind} cell")], waits
     answer = {"leases": [], "executing": False}
     await s.heal()
     assert started == ["d"] and stopped == ["a"]
-    assert [m for m, _ in calls] == ["POST", "DELETE", "POST"]  # fenced until it is stopped
+    assert [m for m, _ in calls] == ["POST", "POST", "POST"]  # fenced until it is stopped
     assert {r.node for r in record.replicas} == {"b", "c", "d"}
+    assert all(v["drain_waits"] == [] for v in s.nodes_view())
+
+
+async def test_a_drain_fence_held_for_a_running_cell_is_lifted_when_the_server_is_put_back(tmp_path, monkeypatch):
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    s.set_drained("a", True)
+    stub_agents(s, monkeypatch, fence=False)
+    calls = []
+
+    async def agent(method, url, token, body=None, timeout=20.0):
+        calls.append(method)
+        return 200, {"leases": [], "executing": True}
+
+    monkeypatch.setattr(service, "call_json", agent)
+    await s.heal()
+    s.set_drained("a", False)
+    await s.heal()
+    await s.heal()
+    assert calls == ["POST", "DELETE"]  # it may run cells again at once, not when the fence lapses
+
+
+async def test_a_drain_waits_while_the_agent_cannot_be_asked_and_says_so_after_long(tmp_path, monkeypatch, caplog):
+    """A CPU cell needs no agent to run: an agent that does not answer (restarting, say) could not
+    have seen one, so the replica stays. A drain that waits long says so at WARNING, naming the user."""
+    import gpuhub.scheduler.service as service
+
+    s = scheduler_with(tmp_path, live=["a", "b", "c", "d"], lost=[])
+    s.kernels["k1"] = kernel(["a", "b", "c"])
+    s.set_drained("a", True)
+    started, stopped = stub_agents(s, monkeypatch, fence=False)
+
+    async def agent(method, url, token, body=None, timeout=20.0):
+        raise ApiClientError(0, "cannot reach: connection refused", url)
+
+    monkeypatch.setattr(service, "call_json", agent)
+    with caplog.at_level(logging.INFO, logger="gpuhub.scheduler.service"):
+        await s.heal()
+        assert started == [] and stopped == []
+        monkeypatch.setattr(service, "DRAIN_WAIT_WARN_S", 0.0)
+        await s.heal()
+    assert started == [] and stopped == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "kernel k1" in r.getMessage()]
+    assert warned == ["kernel k1: the drain of a has waited over 0 min for this kernel of alice: its replica there "
+                      "could not be fenced (its agent did not answer) (the user can interrupt the cell; deleting "
+                      "the kernel ends the wait)"], warned
 
 
 def test_draining_a_server_that_would_leave_a_kernel_nowhere_to_move_is_refused(tmp_path):
