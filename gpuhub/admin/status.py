@@ -111,18 +111,20 @@ def drain(sched: Scheduler, args) -> tuple[dict, str]:
         raise
     if drained and args.wait:
         deadline = time.monotonic() + args.timeout
-        left, told = view.get("kernel_replicas") or 0, None
+        left, told_left, told_waits = view.get("kernel_replicas") or 0, None, set()
         while left:
-            said = (left, *(f"kernel {w['kernel_id']} of {w['user']}: its replica here {w['why']}"
-                            for w in view.get("drain_waits") or ()))
-            if said != told:
+            if left != told_left:
                 print(f"{args.node}: {left} kernel replica(s) still to move", file=sys.stderr, flush=True)
-                for line in said[1:]:
-                    print(f"  waiting for {line}", file=sys.stderr, flush=True)
-                told = said
+                told_left = left
+            for w in view.get("drain_waits") or ():  # the cells it waits for, each said once
+                line = f"  waiting for kernel {w['kernel_id']} of {w['user']}: its replica here {w['why']}"
+                if line not in told_waits:
+                    print(line, file=sys.stderr, flush=True)
+                    told_waits.add(line)
             if time.monotonic() > deadline:
-                raise StatusError(f"{args.node} still runs {left} kernel replica(s) after {args.timeout:g} s "
-                                  "(gpuhub kernels shows them; the scheduler's journal says why)", 1)
+                raise StatusError(f"{args.node} still runs {left} kernel replica(s) after {args.timeout:g} s; "
+                                  f"the drain goes on (gpuhub kernels shows them, the scheduler's journal says "
+                                  f"why; gpuhub node undrain {args.node} calls it off)", 1)
             time.sleep(2)
             view = next((n for n in sched.get("/api/v1/nodes")["nodes"] if n["node"] == args.node), view)
             left = view.get("kernel_replicas") or 0

@@ -663,13 +663,12 @@ class Agent:
         udir = self.runner.unit_dir(name)
         running_cpu_cell = False
         if u.kind == "kernel" and udir.is_dir():
-            # the fence file first, then the replica's mark: the replica writes and reads them the other way
             try:
-                self.runner.write_user_file(udir / move_fence.FENCE_FILE, move_fence.fence_text(FENCE_S), u.user)
+                running_cpu_cell = move_fence.fence(
+                    udir, FENCE_S, lambda path, text: self.runner.write_user_file(path, text, u.user))
             except (OSError, UnitError) as exc:
                 log.warning("could not fence %s for its CPU cells: %s", name, exc)
                 raise FenceError(f"could not write the fence of {name} for its CPU cells: {exc}") from None
-            running_cpu_cell = move_fence.executing(udir)
         held = [le for le in self.book.leases.values() if le.holder == name]
         # no cell runs under a lingering lease: it must not hold the move up
         self._take_back_soon([le for le in held if le.lingering_pid is not None])

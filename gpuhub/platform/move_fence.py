@@ -26,6 +26,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,15 @@ def fenced(unit_dir: Path) -> bool:
 
 
 def executing(unit_dir: Path) -> bool:
-    """Whether the replica said it may be running a CPU cell (the agent's side)."""
+    """Whether the replica said it may be running a CPU cell."""
     return (_read_small(unit_dir / EXECUTING_FILE) or b"0")[:1] == b"1"
+
+
+def fence(unit_dir: Path, hold_s: float, write: Callable[[Path, str], None]) -> bool:
+    """The agent's side, in its order: write the fence (with ``write(path, text)``, the agent's
+    own safe writer), then read the mark. True: the replica may be running a CPU cell."""
+    write(unit_dir / FENCE_FILE, fence_text(hold_s))
+    return executing(unit_dir)
 
 
 class CellMark:

@@ -72,8 +72,7 @@ def test_racing_a_fence_never_both_moves_and_runs_a_cell(tmp_path):
 
     def agent(seen):
         start.wait()
-        (tmp_path / move_fence.FENCE_FILE).write_text(fence_text(60.0))
-        seen["agent saw a cell"] = executing(tmp_path)
+        seen["agent saw a cell"] = move_fence.fence(tmp_path, 60.0, write_text)
 
     def replica(seen):
         start.wait()
@@ -89,3 +88,22 @@ def test_racing_a_fence_never_both_moves_and_runs_a_cell(tmp_path):
         assert seen["agent saw a cell"] or not seen["replica ran it"], seen
         mark.end()
         (tmp_path / move_fence.FENCE_FILE).unlink()
+
+
+def write_text(path, text: str) -> None:
+    path.write_text(text)
+
+
+def test_the_agent_reads_the_mark_only_after_its_fence_is_written(tmp_path):
+    """The order that makes the race above safe, checked without a race: a mark the replica made
+    while the agent wrote its fence (so before the replica could read that fence) is seen."""
+    mark = CellMark(tmp_path)
+
+    def write_while_the_replica_marks(path, text):
+        mark.begin(heed_fence=False)
+        path.write_text(text)
+
+    assert move_fence.fence(tmp_path, 60.0, write_while_the_replica_marks)
+    assert move_fence.fenced(tmp_path)
+    mark.end()
+    assert not move_fence.fence(tmp_path, 60.0, write_text)
