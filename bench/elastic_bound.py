@@ -21,6 +21,8 @@ The bound, per instant t (all GPU-seconds are servers x 8 GPUs x seconds):
          300 s grant timeout): a lower bound for any policy.
   ideal spare rule (not a bound): the pool's spare rule with perfect packing, no drain delay and no
          acquire lead: max(F, ceil((B + largest request started in the last 1200 s) / 8)).
+The cells are taken as gpuhub's kernels run them (``engine.as_kernels_run_it``): every cell of a
+GPU session holds the session's GPUs, also one that uses none in the trace.
 What the bound ignores (each can only raise a real policy's figure): a cell runs on one of its
 kernel's replica servers unless it migrates, running cells do not move, the policy does not know the
 future, the pool decides every 10 s.
@@ -38,7 +40,7 @@ from dataclasses import replace
 
 from gpuhub.scheduler.pool import PoolSettings
 from gpuhub.sim import engine
-from gpuhub.sim.engine import SimConfig, simulate
+from gpuhub.sim.engine import SimConfig, as_kernels_run_it, simulate
 from gpuhub.sim.generate import GenConfig, generate
 
 G, L, FLOOR, TIMEOUT = 8, 30.0, 3, 300.0
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     abl = {name: [] for name, _ in ABLATIONS}
     for seed in seeds:
         tr = generate(GenConfig(seed=seed))
-        b = bounds_for(tr)
+        b = bounds_for(as_kernels_run_it(tr))  # the GPUs the product's kernels hold: every cell's
         r = pool_ratio(tr)
         one, more = excess_split(r, tr)
         print(f"| {seed} | {b['cells']} | {b['k']} | {b['phys3']:.3f} / {b['phys0']:.3f} | {b['lead3']:.3f} "

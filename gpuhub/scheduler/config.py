@@ -73,7 +73,7 @@ class SchedulerConfig(HttpLimits, MetricsAccess, TlsSettings):
     pool_spare_recent_s = Float(1200.0, min=0.0, config=True,
                                 help="The spare server is kept for the largest request of a cell that ran or "
                                      "waited within this many seconds.")
-    pool_release_after_s = Float(300.0, min=0.0, config=True,
+    pool_release_after_s = Float(180.0, min=0.0, config=True,
                                  help="A surplus of servers must last this long before the pool drains one.")
     pool_interval_s = Float(10.0, config=True, help="How often the pool decides.")
     pool_hook_timeout_s = Float(120.0, config=True, help="A hook still running after this long is killed: failed.")

@@ -50,7 +50,7 @@ class PoolSettings:
     max_active: int = 0  # never more; 0: every server there is
     headroom_gpus: int = 0  # idle GPUs kept on beyond the demand, for cells that arrive
     spare_servers: int = 1  # active servers kept able to grant the largest request, for big cells
-    release_after_s: float = 300.0  # a surplus must last this long before a server is drained
+    release_after_s: float = 180.0  # a surplus must last this long before a server is drained
     spare_recent_s: float = 1200.0  # the spare is sized for requests of cells this recent
     drain_step: int = 2  # servers that may drain at once
     max_subscription_ratio: float = 7.0  # the placement limit (placement.py), for the replicas' room

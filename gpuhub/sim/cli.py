@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpuhub: seconds a move takes before the cell starts (default: 3, see `python -m bench migration`)",
     )
     r.add_argument(
+        "--cell-gpus-from-trace",
+        action="store_true",
+        help="gpuhub: a GPU session's cell that uses no GPU in the trace takes none (the product's "
+        "kernels give every cell the kernel's GPUs: this is what a kernel that knew would save)",
+    )
+    r.add_argument(
         "--closed-loop",
         action="store_true",
         help="submit a session's next cell a think time after the previous one actually ended",
@@ -199,6 +205,7 @@ def _run(args) -> int:
                               release_after_s=args.pool_release_after_s,
                               spare_recent_s=args.pool_spare_recent_s),
             acquire_s=args.acquire_s,
+            cells_take_kernel_gpus=not args.cell_gpus_from_trace,
         )
         if args.migration_s < 0:
             return _err("--migration-s must not be negative")

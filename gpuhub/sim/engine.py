@@ -27,7 +27,8 @@ Policies (see docs/simulator.md for the full rules):
     nodes can grant moves one replica with the product's policy (gpuhub/scheduler/migration.py) to
     a node that can, and starts there ``migration_s`` later (the new replica's start and catch-up;
     the GPUs are held from the move on); a waiting cell asks again every ``migration_retry_s``, as
-    a kernel does.
+    a kernel does. Every cell of a GPU session takes the session's GPUs, as a kernel's does
+    (``cells_take_kernel_gpus``; busy GPU-hours stay those the trace's cells use).
 
 ``--elastic`` (gpuhub only) runs the product's elastic pool (gpuhub/scheduler/pool.py): every
 ``pool_interval_s`` the pool's rule decides which servers are acquired (active ``acquire_s`` later,
@@ -97,6 +98,10 @@ class SimConfig:
     pool_interval_s: float = 10.0  # how often the pool decides (the scheduler's pool loop)
     acquire_s: float = 30.0  # a lent server's acquire hook until its agent heartbeats
     grant_timeout_s: float = 300.0  # a cell waiting longer fails for real (GPUHUB_GRANT_TIMEOUT_S)
+    # gpuhub: every cell of a GPU kernel takes the kernel's GPUs, as the product's kernels do (a
+    # cell cannot say beforehand that it will not touch a GPU). False: a GPU session's cells that
+    # use no GPU in the trace take none (what a product that knew could save).
+    cells_take_kernel_gpus: bool = True
 
 
 @dataclass
@@ -185,6 +190,14 @@ def physical_limit_gpu_seconds(trace: Trace, gpus_per_node: int) -> float:
         level += g
         last = t
     return total
+
+
+def as_kernels_run_it(trace: Trace) -> Trace:
+    """The trace as gpuhub's kernels run it: every cell of a session that asks for GPUs takes them
+    all, also a cell that uses none (its GPUs are held while it runs, not used). Busy GPU-hours
+    and the physical limit stay the trace's own: what the cells use."""
+    return Trace([s if not s.gpus or all(g == s.gpus for _, _, g in s.cells)
+                  else replace(s, cells=[(t, d, s.gpus) for t, d, _ in s.cells]) for s in trace.sessions])
 
 
 def default_nodes(trace: Trace, gpus_per_node: int, replicas: int) -> int:
@@ -462,7 +475,10 @@ class Simulator:
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:
         cfg = self.cfg
-        states = [_SState(s) for s in self.trace.sessions]
+        sessions = self.trace.sessions
+        if cfg.policy == "gpuhub" and cfg.cells_take_kernel_gpus:
+            sessions = as_kernels_run_it(self.trace).sessions
+        states = [_SState(s) for s in sessions]
         total_cells = sum(st.ncells for st in states)
         if not states:
             return self._result(0.0, 0.0, total_cells)

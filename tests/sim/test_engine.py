@@ -59,12 +59,27 @@ def test_gpuhub_waits_for_any_replica_node():
     ]  # s0's cell ends at 100, submitted at 5
 
 
-def test_gpuhub_cpu_cells_never_wait():
+def test_a_gpu_kernels_cell_that_uses_no_gpu_still_takes_them_as_the_product_does():
+    """A GPU kernel cannot know beforehand that a cell will not touch a GPU: each cell takes the
+    kernel's GPUs. Busy hours stay what the cells use; committed counts what they held."""
     tr = T(
         ("a", 0, 1000, 1, [(0, 500, 1)]), ("b", 0, 1000, 1, [(10, 5, 0), (20, 5, 1)])
     )
     r = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1)
+    assert sorted(r.delays) == [0.0, 485.0, 490.0]  # b's CPU-only cell waits for the GPU a holds, then its next
+    assert r.gpu_hours_busy == pytest.approx(505 / 3600)
+    assert r.gpu_hours_committed == pytest.approx(510 / 3600)
+
+
+def test_gpuhub_cpu_cells_never_wait_when_cells_take_only_the_gpus_they_use():
+    tr = T(
+        ("a", 0, 1000, 1, [(0, 500, 1)]), ("b", 0, 1000, 1, [(10, 5, 0), (20, 5, 1)])
+    )
+    r = run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1, cells_take_kernel_gpus=False)
     assert sorted(r.delays) == [0.0, 0.0, 480.0]
+    # a CPU kernel's cells never take a GPU, whatever the setting
+    tr = T(("a", 0, 1000, 1, [(0, 500, 1)]), ("c", 0, 1000, 0, [(10, 5, 0)]))
+    assert sorted(run(tr, policy="gpuhub", nodes=1, gpus_per_node=1, replicas=1).delays) == [0.0, 0.0]
 
 
 def test_batch_delay_is_wait_plus_start_cost():

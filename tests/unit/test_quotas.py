@@ -258,6 +258,6 @@ def test_the_scheduler_file_carries_the_elastic_pool_settings(tmp_path):
     assert data["pool_enabled"] is True and data["pool_min_active"] == 4
     assert data["pool_acquire_command"] == '/usr/local/sbin/take "gpu pool"'
     config = SchedulerConfig(**{k: v for k, v in data.items() if k.startswith("pool_")})
-    assert config.pool_problem() is None and config.pool_release_after_s == 300.0
+    assert config.pool_problem() is None and config.pool_release_after_s == 180.0
     off = tomllib.loads(render_scheduler_toml(tmp_path).read_text())
     assert off["pool_enabled"] is False and off["pool_release_command"] == ""
