@@ -66,12 +66,12 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # the new replica, change the group, stop the old one), short enough that a lost "call it off"
 # costs that replica its GPUs for a few minutes at most.
 FENCE_S = 180.0
+# A lingering lease older than the kernel's linger time by this much is taken back by the agent.
+LINGER_SLACK_S = 60.0
 
 
 class FenceError(RuntimeError):
     """A replica could not be fenced (Agent.fence): the move it guards must wait."""
-# A lingering lease older than the kernel's linger time by this much is taken back by the agent.
-LINGER_SLACK_S = 60.0
 
 
 class Agent:

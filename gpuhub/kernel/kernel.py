@@ -364,28 +364,28 @@ class GpuhubKernel(Refusals, IPythonKernel):
                     rep.abort(cell, attempt, reason, detail, self.shell.execution_count + 1))
             election = rep.state.elections.get((cell, attempt))
             announcer = min(election.proposals) if election and election.proposals else rep.id
-            if announcer == rep.id and not tentative and not self.gpus:
-                # a CPU cell waits only while its replicas are fenced, being moved (a drain)
-                if told is None or waited - told >= 30:
-                    notice.show(f"[gpuhub] waiting: this kernel's replicas are being moved to other servers; "
-                                f"waited {waited:.0f} s…")
-                    told = waited
-            elif announcer == rep.id and not tentative:  # a round that reclaimed nothing says nothing yet
-                # a move takes a replica out of the group for a while: only a whole group can afford it
-                target = moves.ask(waited) if rep.group_whole() else None
-                if target is not None and target != moves.told:
-                    notice.show(f"[gpuhub] waiting for a GPU: moving this kernel to {target}…")
-                    # the router fetches the new group now, to hand this cell to the new replica
-                    self.session.send(self.iopub_socket, GROUP_CHANGE, {"target": target},
-                                      parent=self.get_parent("shell"), ident=b"gpuhub_group_change")
-                    moves.told, told = target, waited
-                elif told is None and set(rep.peers) != group:
-                    told = waited  # the replica that asked for the move (it left or stayed) said so
-                elif told is None or waited - told >= 30:
-                    nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
-                    notice.show(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
-                                f"({nodes}); waited {waited:.0f} s…")
-                    told = waited
+            if announcer == rep.id and not tentative:  # a round that reclaimed nothing says nothing yet
+                if not self.gpus:  # a CPU cell waits only while its replicas are fenced for a move (a drain)
+                    if told is None or waited - told >= 30:
+                        notice.show(f"[gpuhub] waiting: this kernel's replicas are being moved to other servers; "
+                                    f"waited {waited:.0f} s…")
+                        told = waited
+                else:
+                    # a move takes a replica out of the group for a while: only a whole group can afford it
+                    target = moves.ask(waited) if rep.group_whole() else None
+                    if target is not None and target != moves.told:
+                        notice.show(f"[gpuhub] waiting for a GPU: moving this kernel to {target}…")
+                        # the router fetches the new group now, to hand this cell to the new replica
+                        self.session.send(self.iopub_socket, GROUP_CHANGE, {"target": target},
+                                          parent=self.get_parent("shell"), ident=b"gpuhub_group_change")
+                        moves.told, told = target, waited
+                    elif told is None and set(rep.peers) != group:
+                        told = waited  # the replica that asked for the move (it left or stayed) said so
+                    elif told is None or waited - told >= 30:
+                        nodes = ", ".join(sorted(p.node or p.raft for p in rep.peers.values()))
+                        notice.show(f"[gpuhub] waiting for {self.gpus} GPU(s): all busy on this kernel's servers "
+                                    f"({nodes}); waited {waited:.0f} s…")
+                        told = waited
             if grant is None:  # a replica whose LEAD came after the attempt was decided tries again at once
                 rep.wait_for_later_attempt(cell, attempt, backoff, self._interrupted)
                 backoff = backoff if tentative else min(backoff * 2, 2.0)

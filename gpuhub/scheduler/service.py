@@ -43,6 +43,8 @@ REPLICA_RESTARTS_LOST = 3
 MIGRATION_CANDIDATES = 3
 # A drain that has waited this long for one replica's cell says so at WARNING, naming the user.
 DRAIN_WAIT_WARN_S = 900.0
+# Why a replica was not moved (Scheduler._fence), when the reason is not a running cell.
+AGENT_SILENT = "could not be fenced (its agent did not answer)"
 # How often a kernel that waits for servers' first heartbeats after a restart tries to place again.
 UNHEARD_POLL_S = 0.2
 # ... and for at most this long after the start (the provisioner gives a kernel creation 60 s).
@@ -664,7 +666,7 @@ class Scheduler:
             wait = self._drain_waits[record.kernel_id] = DrainWait(rep.id, rep.node, time.monotonic())
         wait.why = why
         if time.monotonic() - wait.since < DRAIN_WAIT_WARN_S:
-            then = "it moves once the cell has ended" if why.startswith("runs") else "tried again at the next pass"
+            then = "tried again at the next pass" if why == AGENT_SILENT else "it moves once the cell has ended"
             self._note(record, f"its replica on {rep.node} {why}: {then}", logging.INFO)
         else:
             self._note(record, f"the drain of {rep.node} has waited over {DRAIN_WAIT_WARN_S / 60:.0f} min for "
@@ -870,7 +872,7 @@ class Scheduler:
         moved). The caller lifts the fence or keeps it."""
         answer = await self._call_unit(rep, "POST", "/fence", "fence (before moving it)")
         if not answer:
-            return "could not be fenced (its agent did not answer)"
+            return AGENT_SILENT
         if answer.get("leases"):
             return "runs a GPU cell"
         if answer.get("executing"):
