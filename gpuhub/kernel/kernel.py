@@ -394,7 +394,8 @@ class GpuhubKernel(Refusals, IPythonKernel):
     def _waited_text(self, waited: float, rep, executor: int) -> str:
         peer = rep.peers.get(executor)
         where = f"; running on {peer.node}" if peer is not None and peer.node else ""
-        return f"[gpuhub] waited {waited:.0f} s for {self.gpus} GPU(s){where}"
+        why = f"for {self.gpus} GPU(s)" if self.gpus else "while this kernel's replicas were being moved"
+        return f"[gpuhub] waited {waited:.0f} s {why}{where}"
 
     def _publish_to_cell(self, msg_type: str, content: dict) -> None:
         """An output of the cell being executed, sent by the kernel itself (not the user's code)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuhub.kernel.wait_notice import notice_text
 from tests.helpers import wait_for
 from tests.integration.test_admin_cli import gpuhub_cli
 from tests.integration.test_gpu_cells import wait_for_output
@@ -76,3 +77,39 @@ def test_a_drain_waits_for_the_running_cpu_cell_then_moves_its_replica(cpu_kerne
     rids = tuple(r["id"] for r in kernel.refresh()["replicas"])
     eventually(lambda: assert_equal_namespaces(kernel, ["x"], rids)["x"] == "2", 60, "x == 2 on the three replicas")
     assert ok(kernel, "x += 1\nprint(x)")["stdout"] == "3\n"
+
+
+def test_a_cpu_cell_whose_every_replica_is_fenced_waits_says_why_and_runs_once_unfenced(cpu_kernel_on_four_nodes):
+    cluster, kernel = cpu_kernel_on_four_nodes
+    ok(kernel, "x = 1\nruns = 0")
+    fenced = [(cluster.agent(r["node"]), r["unit"]) for r in kernel.refresh()["replicas"]]
+    for agent, unit in fenced:  # as three moves at once would (say, a drain of three servers)
+        status, answer = agent.call("POST", f"/api/v1/units/{unit}/fence")
+        assert status == 200 and answer["executing"] is False, answer
+    msg_id = kernel.kc.execute("runs += 1\nx += 1\nprint('ran', x, runs)")
+    notices, stdout = [], ""
+    while not any("being moved" in n for n in notices):
+        msg = kernel.kc.get_iopub_msg(timeout=60)  # queue.Empty: no status line within a minute
+        if msg["parent_header"].get("msg_id") == msg_id:
+            assert msg["msg_type"] != "stream", msg  # the cell must not run under the fences
+            if (text := notice_text(msg["msg_type"], msg["content"])) is not None:
+                notices.append(text)
+    assert notices[0].startswith("[gpuhub] waiting: this kernel's replicas are being moved to other servers"), notices
+    for agent, unit in fenced:
+        assert agent.call("DELETE", f"/api/v1/units/{unit}/fence")[0] == 200
+    reply = kernel.kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok", reply["content"]
+    while True:  # the rest of the cell's output, up to its idle
+        msg = kernel.kc.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        if (text := notice_text(msg["msg_type"], msg["content"])) is not None:
+            notices.append(text)
+        elif msg["msg_type"] == "stream":
+            stdout += msg["content"]["text"]
+    assert stdout == "ran 2 1\n"  # once
+    assert "waited" in notices[-1] and "replicas were being moved" in notices[-1] and "GPU" not in notices[-1], notices
+    assert ok(kernel, "print(x, runs)")["stdout"] == "2 1\n"
