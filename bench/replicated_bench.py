@@ -1,7 +1,7 @@
-"""Replicated kernels (B1–B5): three replicas behind the router vs a plain ipykernel, on loopback.
+"""Replicated kernels (B1–B6): three replicas behind the router vs a plain ipykernel, on loopback.
 
 Run: `make bench` (all benchmarks) or `.venv/bin/python -m bench replicated`; one part only:
-`.venv/bin/python -m bench.replicated_bench B2` (B1, B2, B3, B4, comma- or space-separated).
+`.venv/bin/python -m bench.replicated_bench B2` (B1 … B6, comma- or space-separated).
 
 Everything is real processes on 127.0.0.1: a ``DevCluster`` (scheduler + 3 agents, 1 fake GPU
 each) places a 3-replica kernel, a ``KernelRouter`` in this process shows it as one kernel, and a
@@ -23,6 +23,8 @@ run, its cells interleaved with the measured kernel's in rounds so that machine 
   ≤ 1.5× plain). Every cell captures the namespace image; without page tracking each large
   buffer is hashed once per cell. B5t: the same with 0.2 s before each cell (a user reading the
   output): work a kernel does between cells (arming the next cell's write tracker) is off the clock.
+- B6: B1 again after 3,000 more cells on both kernels (a long session): a per-cell cost that
+  grows with the session (IPython keeps every cell's input as a name, ``_i2999``) shows here.
 - B4: SIGKILL an idle (non-executor) replica and its node's agent, then time the next cell;
   median over 5 fresh kernels (each on a fresh DevCluster).
 """
@@ -52,7 +54,8 @@ GIB = 1 << 30
 B3_CELLS = 5
 B3_THINK_S = 3.0
 B4_KERNELS = 5
-PARTS = ("B1", "B2", "B3", "B4", "B5")
+PARTS = ("B1", "B2", "B3", "B4", "B5", "B6")
+B6_DEPTH = 3000
 B5_CELLS = 30
 B5_THINK_S = 0.2
 B2T_CELLS = 60
@@ -144,11 +147,19 @@ def progress(text: str) -> None:
 def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, results: dict) -> None:
     cluster = DevCluster(tmp / "cluster", nodes=3, gpus_per_node=1).start()
     try:
-        if "B1" in parts:
+        if parts & {"B1", "B6"}:
             k = DevKernel(cluster, gpus=0)
             try:
                 t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
                 results["B1"] = row("B1 CPU kernel, 3 replicas", t["cpu"], t["plain"])
+                if "B6" in parts:
+                    for i in range(B6_DEPTH):
+                        cell(k.kc, "x = 1")
+                        cell(plain, "x = 1")
+                        if (i + 1) % 1000 == 0:
+                            progress(f"B6 {i + 1} of {B6_DEPTH} cells on both kernels")
+                    t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1", warmup=0)
+                    results["B6"] = row(f"B6 as B1, {B6_DEPTH:,} cells later", t["cpu"], t["plain"])
             finally:
                 k.close()
         if "B2" in parts:
@@ -275,7 +286,7 @@ def machine() -> str:
 
 def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str:
     lines = [
-        "## Replicated kernels (B1–B5)",
+        "## Replicated kernels (B1–B6)",
         "",
         (f"Command: `{command}` — {machine()}. Soft-dirty bits on this kernel: "
          f"{'yes' if soft_dirty else 'no'} (GPU cells use copy-on-write bits in the forked child)."),
@@ -293,6 +304,10 @@ def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str
     if "B1" in results:
         r = results["B1"]
         kernel_row("B1", "p50 ≤ 1.5× plain", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain")
+    if "B6" in results:
+        r, r1 = results["B6"], results["B1"]
+        kernel_row("B6", "p50 ≤ 1.5× plain, as B1", r["ratio"] <= 1.5,
+                   f"{r['ratio']:.2f}× plain (B1 {r1['ratio']:.2f}×)")
     for key in ("B2-small", "B2t-small"):
         if key in results:
             kernel_row(key, "(reported)", None, f"+{ms(results[key]['extra'])} ms")
@@ -343,7 +358,7 @@ def main(argv: list[str] | None = None) -> str:
         f".venv/bin/python -m bench.replicated_bench {' '.join(sorted(parts))}"
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpuhub-bench-") as tmp:
-        if parts & {"B1", "B2", "B3", "B5"}:
+        if parts & {"B1", "B2", "B3", "B5", "B6"}:
             km, plain = plain_kernel()
             try:
                 run_b1_b2_b3b(parts, Path(tmp), plain, results)

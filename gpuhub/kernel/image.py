@@ -142,19 +142,35 @@ def written(before: dict[tuple[int, int], str], after: dict[str, memoryview]) ->
             if mv.nbytes and before.get(key := (address_of(mv), mv.nbytes), d) != d}
 
 
+_ALWAYS, _UNLESS_HIDDEN, _NEVER = 1, 2, 3  # what a name's spelling says about carrying it
+_KIND_OF: dict[str, int] = {}
+_NEVER_CARRIED: set[str] = set()  # the same, for the names no image carries: skipped at C speed
+_KIND_CACHE_MAX = 100_000
+
+
+def _kind_of(name: str) -> int:
+    if name == OUT or OUTPUT_NAME.fullmatch(name):
+        kind = _ALWAYS  # the output history, although IPython hides it
+    elif name == PROCESS or INPUT_NAME.fullmatch(name) or (name.startswith("__") and name.endswith("__")):
+        kind = _NEVER  # PROCESS: put there by a replica of a release before it was carried apart
+    else:
+        kind = _UNLESS_HIDDEN
+    if len(_KIND_OF) < _KIND_CACHE_MAX:
+        _KIND_OF[name] = kind
+        if kind == _NEVER:
+            _NEVER_CARRIED.add(name)
+    return kind
+
+
 def replicated_names(ns: dict, hidden) -> list[str]:
-    """The names of ``ns`` an image carries, in namespace order."""
-    names = []
-    for name in ns:
-        if name == PROCESS:
-            continue  # put there by a replica of a release before it was carried apart
-        if name == OUT or OUTPUT_NAME.fullmatch(name):
-            names.append(name)
-        elif name in hidden or INPUT_NAME.fullmatch(name) or (name.startswith("__") and name.endswith("__")):
-            continue
-        else:
-            names.append(name)
-    return names
+    """The names of ``ns`` an image carries, in namespace order. Called for every cell over a
+    namespace that holds every cell's input (``_i1``, ``_i2`` …), so a name's spelling is looked at
+    once and remembered, and the inputs are passed over without a Python step each: matching each
+    name against the patterns made a no-op cell cost about 0.3 ms more per 1,000 cells of the
+    session."""
+    kind = _KIND_OF.get
+    return [name for name in itertools.filterfalse(_NEVER_CARRIED.__contains__, ns)
+            if (k := kind(name) or _kind_of(name)) == _ALWAYS or (k == _UNLESS_HIDDEN and name not in hidden)]
 
 
 def _view_of(base, offset: int, shape: tuple, strides: tuple, dtype):

@@ -123,6 +123,31 @@ def test_what_is_and_is_not_replicated():
     assert images.replicated_names(ns, HIDDEN) == ["x", "_private", "_", "__", "_7", "Out"]
 
 
+def _carried_by_the_rule(name: str, hidden) -> bool:
+    """The rule of the module docstring, spelled out once more without its cache."""
+    if name == images.OUT or images.OUTPUT_NAME.fullmatch(name):
+        return True
+    return not (name == images.PROCESS or name in hidden or images.INPUT_NAME.fullmatch(name)
+                or (name.startswith("__") and name.endswith("__")))
+
+
+_NAMES = st.one_of(st.sampled_from(["_", "__", "___", "____", "_i", "_ii", "_iii", "_ih", "_oh", "_dh", "Out", "In",
+                                    "__name__", "__x", "x__", "_x_", "_index", "<process>"]),
+                   st.builds(lambda p, n: f"{p}{n}", st.sampled_from(["_", "_i", "__", "x", "_0"]),
+                             st.integers(0, 10**6)),
+                   st.from_regex(r"[_a-zA-Z][_a-zA-Z0-9]{0,6}", fullmatch=True))
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(_NAMES, st.booleans()), max_size=40))
+def test_the_remembered_spelling_carries_exactly_what_the_rule_carries(named):
+    # the same name hidden in one namespace and not in the next: what is remembered is only its spelling
+    for flip in (False, True):
+        ns = {name: 0 for name, _ in named}
+        hidden = {name for name, h in named if h != flip}
+        assert images.replicated_names(ns, hidden) == [n for n in ns if _carried_by_the_rule(n, hidden)]
+
+
 def test_install_updates_out_in_place_and_removes_names_that_are_gone():
     out = {1: "old"}
     ns = {"x": 1, "gone": 2, "Out": out, "_i1": "x = 1"}
