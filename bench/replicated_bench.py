@@ -1,7 +1,7 @@
-"""Replicated kernels (B1–B6): three replicas behind the router vs a plain ipykernel, on loopback.
+"""Replicated kernels (B1–B7): three replicas behind the router vs a plain ipykernel, on loopback.
 
 Run: `make bench` (all benchmarks) or `.venv/bin/python -m bench replicated`; one part only:
-`.venv/bin/python -m bench.replicated_bench B2` (B1 … B6, comma- or space-separated).
+`.venv/bin/python -m bench.replicated_bench B2` (B1 … B7, comma- or space-separated).
 
 Everything is real processes on 127.0.0.1: a ``DevCluster`` (scheduler + 3 agents, 1 fake GPU
 each) places a 3-replica kernel, a ``KernelRouter`` in this process shows it as one kernel, and a
@@ -25,6 +25,10 @@ run, its cells interleaved with the measured kernel's in rounds so that machine 
   output): work a kernel does between cells (arming the next cell's write tracker) is off the clock.
 - B6: B1 again after 3,000 more cells on both kernels (a long session): a per-cell cost that
   grows with the session (IPython keeps every cell's input as a name, ``_i2999``) shows here.
+- B7: B1 again with a notebook's results kept in ``Out`` on both kernels: 200 ``df.head()`` of a
+  1,000-row frame and 40 ``plt.plot(...)`` (each ``[Line2D]`` holds its whole figure). Results
+  are pickled once, by the cell that made them (gpuhub/kernel/sealed_outputs.py); before that,
+  every later cell pickled them all again.
 - B4: SIGKILL an idle (non-executor) replica and its node's agent, then time the next cell;
   median over 5 fresh kernels (each on a fresh DevCluster).
 """
@@ -54,8 +58,11 @@ GIB = 1 << 30
 B3_CELLS = 5
 B3_THINK_S = 3.0
 B4_KERNELS = 5
-PARTS = ("B1", "B2", "B3", "B4", "B5", "B6")
+PARTS = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
 B6_DEPTH = 3000
+B7_SETUP = ("import numpy as np, pandas as pd\nimport matplotlib.pyplot as plt\n"
+            "df = pd.DataFrame({'a': np.arange(1000), 'b': np.arange(1000) / 3})")
+B7_RESULTS = ["df.head()"] * 200 + ["plt.plot(np.arange(100) % 7)"] * 40
 B5_CELLS = 30
 B5_THINK_S = 0.2
 B2T_CELLS = 60
@@ -160,6 +167,20 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
                             progress(f"B6 {i + 1} of {B6_DEPTH} cells on both kernels")
                     t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1", warmup=0)
                     results["B6"] = row(f"B6 as B1, {B6_DEPTH:,} cells later", t["cpu"], t["plain"])
+            finally:
+                k.close()
+        if "B7" in parts:
+            k = DevKernel(cluster, gpus=0)
+            try:
+                for kc in (k.kc, plain):
+                    cell(kc, B7_SETUP)
+                    for i, code in enumerate(B7_RESULTS):
+                        cell(kc, code)
+                        if (i + 1) % 80 == 0:
+                            progress(f"B7 {i + 1} of {len(B7_RESULTS)} results")
+                t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
+                results["B7"] = row(f"B7 as B1, {len(B7_RESULTS)} results in `Out`", t["cpu"], t["plain"])
+                cell(plain, "Out.clear()")
             finally:
                 k.close()
         if "B2" in parts:
@@ -286,7 +307,7 @@ def machine() -> str:
 
 def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str:
     lines = [
-        "## Replicated kernels (B1–B6)",
+        "## Replicated kernels (B1–B7)",
         "",
         (f"Command: `{command}` — {machine()}. Soft-dirty bits on this kernel: "
          f"{'yes' if soft_dirty else 'no'} (GPU cells use copy-on-write bits in the forked child)."),
@@ -308,6 +329,9 @@ def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str
         r, r1 = results["B6"], results["B1"]
         kernel_row("B6", "p50 ≤ 1.5× plain, as B1", r["ratio"] <= 1.5,
                    f"{r['ratio']:.2f}× plain (B1 {r1['ratio']:.2f}×)")
+    if "B7" in results:
+        r = results["B7"]
+        kernel_row("B7", "p50 ≤ 1.5× plain, as B1", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain")
     for key in ("B2-small", "B2t-small"):
         if key in results:
             kernel_row(key, "(reported)", None, f"+{ms(results[key]['extra'])} ms")
@@ -358,7 +382,7 @@ def main(argv: list[str] | None = None) -> str:
         f".venv/bin/python -m bench.replicated_bench {' '.join(sorted(parts))}"
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpuhub-bench-") as tmp:
-        if parts & {"B1", "B2", "B3", "B5", "B6"}:
+        if parts & {"B1", "B2", "B3", "B5", "B6", "B7"}:
             km, plain = plain_kernel()
             try:
                 run_b1_b2_b3b(parts, Path(tmp), plain, results)

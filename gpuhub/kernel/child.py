@@ -32,7 +32,7 @@ from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
 from IPython.core.error import StdinNotImplementedError
 
-from gpuhub.kernel import devices, dirty, shell_settings
+from gpuhub.kernel import devices, dirty, sealed_outputs, shell_settings
 from gpuhub.kernel import image as images
 from gpuhub.kernel.pipe import FrameReader, FrameWriter
 from gpuhub.kernel.warm_imports import imported_since
@@ -314,6 +314,7 @@ def _run_cell(shell, cell: dict, chan: FrameWriter, known_digest, marks: dict) -
     shell.payload_manager.clear_payload()  # as ipykernel: a process kept for the next cell would send them again
     chan.send("done", done)
     marks["ran"] = time.monotonic()
+    sealed_outputs.note_cell(cell["code"])  # before its image: a cell that reached Out ends sealing
     return capture_image(shell, frozenset(cell["stored"]), known_digest)
 
 

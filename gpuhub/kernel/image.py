@@ -44,7 +44,16 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from gpuhub.kernel import dirty, process_state, random_state, shell_settings, tensors, wrappers
+from gpuhub.kernel import (
+    dirty,
+    library_state,
+    process_state,
+    random_state,
+    sealed_outputs,
+    shell_settings,
+    tensors,
+    wrappers,
+)
 from gpuhub.kernel.quiet import silenced
 
 BUFFER_MIN_BYTES = 1 << 20
@@ -113,8 +122,10 @@ def track(resident: dict[str, memoryview], *, mode: str, sentinel: bool,
     image (digest -> memory), and the ``known_digest`` function for :func:`capture` it answers.
     Buffers in ``hash_instead`` ((address, nbytes), see :func:`written`) are left untracked: the
     capture hashes them."""
+    # smaller buffers are sealed outputs' streams (gpuhub/kernel/sealed_outputs.py): their seal
+    # knows their digest, and their pages are the heap's, written all the time
     known = [(address_of(mv), mv.nbytes, d) for d, mv in resident.items()
-             if mv.nbytes and (address_of(mv), mv.nbytes) not in hash_instead]
+             if mv.nbytes >= BUFFER_MIN_BYTES and (address_of(mv), mv.nbytes) not in hash_instead]
     if not known:
         return None, lambda mv: None
     tracker = dirty.BufferTracker.arm(known, mode=mode, sentinel=sentinel)
@@ -216,16 +227,40 @@ def _namespace() -> dict:
     return {} if namespace is None else namespace
 
 
+class _Output:
+    """Stands in the image for an output (a value of ``Out``, and the ``_``/``_N`` names bound to
+    it: one per output, so they share it), which the pickler seals or pickles as usual."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+def _identity(value):
+    """What an output that is not sealed loads as: itself."""
+    return value
+
+
+def _plain(value):
+    return value.value if type(value) is _Output else value
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, plus numpy views kept as views of their (shared) base, PyTorch tensors with
     their storage out of band (:mod:`gpuhub.kernel.tensors`), GPU tensors sent from the host with
     their logical device (:mod:`gpuhub.kernel.devices`), notebook functions' functools wrappers by
-    value (:mod:`gpuhub.kernel.wrappers`), and notebook functions' globals sent as a reference to
-    the namespace (``namespace``: the one being captured)."""
+    value (:mod:`gpuhub.kernel.wrappers`), notebook functions' globals sent as a reference to
+    the namespace (``namespace``: the one being captured), and outputs sealed
+    (:mod:`gpuhub.kernel.sealed_outputs`; ``sealed``: out-of-band stream id -> digest, filled in)."""
 
-    def __init__(self, file, *, namespace: dict | None = None, **kw) -> None:
+    def __init__(self, file, *, namespace: dict | None = None, sealed: dict | None = None, **kw) -> None:
         super().__init__(file, **kw)
         self._storages: dict = {}  # tensors sharing a storage share it in the image
+        self._namespace = namespace
+        self._sealed = sealed if sealed is not None else {}
+        self._memo_copy: dict | None = None  # the memo as the last output was tried against it
+        self._own: dict[int, sealed_outputs.Seal] = {}  # objects of the outputs sealed by this dump
         if namespace is not None:
             # cloudpickle looks a function's future globals up here by id (functions sharing
             # globals share them once loaded): the namespace's entry is the marker. globals_ref
@@ -235,6 +270,8 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if obj is _NAMESPACE:
             return _namespace, ()
+        if type(obj) is _Output:
+            return self._reduce_output(obj.value)
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and isinstance(obj.base, np.ndarray):
             base = obj.base
@@ -246,7 +283,8 @@ class _Pickler(cloudpickle.Pickler):
                     return _view_of, (base, offset, obj.shape, obj.strides, obj.dtype)
         if type(obj) is _LargeBytes:  # loads as bytes(buffer) or bytearray(buffer): a copy of its own
             return type(obj.value), (pickle.PickleBuffer(obj.value),)
-        reduced = tensors.reduce_tensor(obj, self._storages) or wrappers.reduce_wrapper(obj)
+        reduced = (tensors.reduce_tensor(obj, self._storages) or wrappers.reduce_wrapper(obj)
+                   or library_state.reduce_callback_registry(obj))
         if reduced is not None:
             return reduced
         reduced = super().reducer_override(obj)
@@ -258,9 +296,84 @@ class _Pickler(cloudpickle.Pickler):
         return reduced
 
 
-def _dumps(value, take: Callable[[pickle.PickleBuffer], bool], namespace: dict | None = None) -> bytes:
+    def _reduce_output(self, value):
+        """An output: its seal's stream (sealed by this capture if it was not), else itself."""
+        seal = sealed_outputs.seal_of(value)
+        if seal is None and sealed_outputs.enabled() and not sealed_outputs.tried(value):
+            seal = self._seal(value)
+        self._memo_copy = None  # what follows may add to the memo
+        if seal is None:
+            return _identity, (value,)
+        if len(seal.stream) >= sealed_outputs.OUT_OF_BAND_MIN:
+            self._sealed[id(seal.stream)] = seal.digest
+        return sealed_outputs.load_alone, (pickle.PickleBuffer(seal.stream), seal.shared)
+
+    def _seal(self, value) -> sealed_outputs.Seal | None:
+        if self._memo_copy is None:
+            self._memo_copy = self.memo.copy()  # everything the image holds before this output
+        made = sealed_outputs.dump_alone(_SealingPickler, value, self._memo_copy, self._namespace)
+        if made is None:
+            sealed_outputs.refuse(value)
+            return None
+        stream, shared, own = made
+        for i in own:
+            if i in self._own:
+                raise sealed_outputs.Unseal(self._own[i])
+        seal = sealed_outputs.Seal(value, stream, shared)
+        sealed_outputs.add(seal)
+        self._own.update(dict.fromkeys(own, seal))
+        return seal
+
+
+class _SealingPickler(_Pickler):
+    """Pickles one output on its own: what the rest of the image holds (``shared_ids``, id ->
+    memo entry) becomes a reference (``shared``); ``refused`` once it meets what must not be sealed."""
+
+    def __init__(self, file, shared_ids: dict, *, namespace: dict | None) -> None:
+        super().__init__(file, protocol=5, buffer_callback=self._buffer, namespace=namespace)
+        self.shared_ids = shared_ids
+        self.shared: list = []
+        self._position: dict[int, int] = {}
+        self.refused = False
+
+    def persistent_id(self, obj):
+        entry = self.shared_ids.get(id(obj))
+        if entry is None or entry[1] is not obj:
+            return None
+        position = self._position.get(id(obj))
+        if position is None:
+            position = self._position[id(obj)] = len(self.shared)
+            self.shared.append(obj)
+        return position
+
+    def _buffer(self, pb: pickle.PickleBuffer) -> bool:
+        try:
+            if pb.raw().nbytes >= BUFFER_MIN_BYTES:
+                self.refused = True
+        except BufferError:
+            pass
+        return True
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if (torch is not None and isinstance(obj, torch.Tensor)) or _held_by_pyplot(obj):
+            self.refused = True  # a tensor's storage may be shared in ways the memo does not show
+        return super().reducer_override(obj)
+
+
+def _held_by_pyplot(obj) -> bool:
+    """A figure pyplot still has open: pyplot hands it back (``plt.gcf()``) to later cells."""
+    helpers = sys.modules.get("matplotlib._pylab_helpers")
+    figure = sys.modules.get("matplotlib.figure")
+    if helpers is None or figure is None or not isinstance(obj, figure.Figure):
+        return False
+    return any(getattr(m.canvas, "figure", None) is obj for m in helpers.Gcf.get_all_fig_managers())
+
+
+def _dumps(value, take: Callable[[pickle.PickleBuffer], bool], namespace: dict | None = None,
+           sealed: dict | None = None) -> bytes:
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=take, namespace=namespace).dump(value)
+    _Pickler(out, protocol=5, buffer_callback=take, namespace=namespace, sealed=sealed).dump(value)
     return out.getvalue()
 
 
@@ -279,7 +392,8 @@ def _picklable(value) -> str | None:
 def capture_process(ns: dict | None = None, hidden=None) -> dict:
     """The image's :data:`PROCESS` entry: this process's state beside the names (``ns``: the
     namespace being captured, and ``hidden`` IPython's hidden part of it)."""
-    out = {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture()}
+    out = {**process_state.capture(), "settings": shell_settings.capture(), "random": random_state.capture(),
+           "outputs_sealed": sealed_outputs.enabled()}
     if ns is not None and hidden is not None:
         out["output_history"] = _output_history(ns, hidden)
     return out
@@ -343,6 +457,8 @@ def apply_process(process) -> None:
         process_state.apply(process)
         shell_settings.apply(process.get("settings"))
         random_state.apply(process.get("random"))
+        if process.get("outputs_sealed") is False:  # a cell could reach the outputs: never sealed again
+            sealed_outputs.disable()
 
 
 def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None] = lambda mv: None,
@@ -353,41 +469,74 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     (e.g. unchanged since the last image, :mod:`gpuhub.kernel.dirty`), else None."""
     names = replicated_names(ns, hidden)
     failed: dict[str, str] = {}
-    image = {name: ns[name] for name in names}
+    image = _in_pickle_order(ns, names)
     image[PROCESS] = capture_process(ns, hidden)
-    if isinstance(image.get(OUT), dict):
-        image[OUT] = dict(image[OUT])  # a copy, so that entries that cannot pickle can be left out
     _out_of_band_bytes(image, min_buffer)
     buffers: list[memoryview] = []
+    digests: list[str | None] = []
+    sealed: dict[int, str] = {}  # id of a sealed output's stream -> its digest: out of band
 
     def take(pb: pickle.PickleBuffer) -> bool:
         try:
             raw = pb.raw()  # contiguous bytes; BufferError when not contiguous
         except BufferError:
             return True
-        if raw.nbytes < min_buffer:
+        known = sealed.get(id(raw.obj))
+        if known is None and raw.nbytes < min_buffer:
             return True
         buffers.append(raw)
+        digests.append(known)
         return False
 
     while True:
         buffers.clear()
+        digests.clear()
         try:
-            stream = _dumps(image, take, ns)
+            stream = _dumps(image, take, ns, sealed)
             break
+        except sealed_outputs.Unseal as exc:  # two outputs sealed apart share an object: one joins the graph
+            sealed_outputs.refuse(exc.seal.value)
         except Exception as exc:
             # Find what cannot be pickled, name by name, and leave it out (rare: costs a second pass).
-            bad = {name: why for name in image if name not in (OUT, PROCESS) and (why := _picklable(image[name]))}
+            bad = {name: why for name in image
+                   if name not in (OUT, PROCESS) and (why := _picklable(_plain(image[name])))}
             out = image.get(OUT)
-            dropped = [k for k, v in out.items() if _picklable(v)] if isinstance(out, dict) else []
+            dropped = [k for k, v in out.items() if _picklable(_plain(v))] if isinstance(out, dict) else []
             for key in dropped:
                 del out[key]
             if not bad and not dropped:  # only the whole fails (e.g. too deep): nothing replicates
                 bad = {name: f"{type(exc).__name__}: {exc}" for name in image if name != PROCESS}
+                if not bad:
+                    raise  # the process's own state does not pickle: a defect, not a value to leave out
             failed.update(bad)
             for name in bad:
                 image.pop(name, None)
-    return Capture(stream, buffers, [known_digest(b) for b in buffers], [n for n in image if n != PROCESS], failed)
+    digests = [d or known_digest(b) for d, b in zip(digests, buffers, strict=True)]
+    return Capture(stream, buffers, digests, [n for n in names if n in image], failed)
+
+
+def _in_pickle_order(ns: dict, names: list[str]) -> dict:
+    """The image's ``{name: value}``: the output history last (``Out``, then ``_``, ``_N`` …), so
+    that an output is pickled after everything else the namespace holds, and outputs in
+    :class:`_Output` wrappers (one per output, shared by ``Out`` and the names bound to it) while
+    outputs are sealed (:mod:`gpuhub.kernel.sealed_outputs`). ``Out`` is a copy, so that entries
+    that cannot pickle can be left out."""
+    history = [n for n in names if n == OUT or OUTPUT_NAME.fullmatch(n)]
+    image = {name: ns[name] for name in names if name not in history}
+    out = ns.get(OUT) if OUT in history else None
+    wrapped: dict[int, _Output] = {}
+    if isinstance(out, dict):
+        values = list(out.values())
+        sealed_outputs.keep_only(values)
+        if sealed_outputs.enabled():
+            wrapped = {id(v): _Output(v) for v in values}
+            out = {k: wrapped[id(v)] for k, v in out.items()}
+        else:
+            out = dict(out)
+    for name in history:
+        value = out if name == OUT else ns[name]
+        image[name] = wrapped.get(id(value), value) if name != OUT else value
+    return image
 
 
 def _loads(stream, buffers: list):
@@ -434,5 +583,6 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
             current.update(out)
         else:
             ns[OUT] = out
+        sealed_outputs.keep_only(out.values())  # the seals of the outputs replaced go
     if isinstance(process, dict):
         _give_output_history_to_ipython(ns, hidden, process.get("output_history"))

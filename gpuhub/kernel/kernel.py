@@ -26,7 +26,7 @@ import time
 import ipykernel.compiler
 from ipykernel.ipkernel import IPythonKernel
 
-from gpuhub.kernel import dirty, hugepages, memory_limit, process_state, random_state, shell_settings
+from gpuhub.kernel import dirty, hugepages, memory_limit, process_state, random_state, sealed_outputs, shell_settings
 from gpuhub.kernel import image as images
 from gpuhub.kernel.cell_process import CHILD_FAILED, CellProcess, LingeringProcess
 from gpuhub.kernel.moves import MoveRequests
@@ -609,6 +609,7 @@ class GpuhubKernel(Refusals, IPythonKernel):
             try:
                 reply = await super().do_execute(code, silent, store_history, user_expressions, allow_stdin,
                                                   cell_meta=cell_meta, cell_id=cell_id)
+                sealed_outputs.note_cell(code)  # before its image: a cell that reached Out ends sealing
                 cap = images.capture(shell.user_ns, shell.user_ns_hidden, known_digest=known_digest)
             finally:
                 self._running_here = False

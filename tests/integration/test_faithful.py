@@ -175,6 +175,33 @@ def test_output_history_moves_on_after_a_failover_until_a_cell_assigns_it(kernel
     assert [streams(ok(kernel, code, timeout=60)) for code in OUTPUTS] == want[1:]
 
 
+RESULTS = [
+    "import pandas as pd\ndf = pd.DataFrame({'a': range(6), 'b': [x / 3 for x in range(6)]})",
+    "df.head(3)",
+    "df",
+    "[[1, 2], {'k': 'v'}]",
+    "class Tag:\n    pass\nt = Tag()\nt",
+    "(6 * 7, 'answer')",
+]
+READ_BACK = [
+    "print(Out[2].equals(df.head(3)), Out[3] is df, Out[4], type(Out[5]) is Tag, Out[5] is t, _ is Out[6], _6,"
+    " __ is t, sorted(Out))",
+    "Out[4][0].append(3)\nprint(_4)",
+    "df.loc[0, 'a'] = 99\nprint(Out[3].loc[0, 'a'], Out[2].loc[0, 'a'])",
+]
+
+
+def test_outputs_pickled_once_load_with_their_values_and_identities_after_a_failover(kernel):
+    """Results kept in ``Out`` are pickled once, by the cell that made them, and carried by
+    reference after (gpuhub/kernel/sealed_outputs.py): the replica that takes over must still
+    have each with its value, and the same objects where they are the namespace's."""
+    want = plain_streams(RESULTS + READ_BACK)
+    for code in RESULTS:
+        ok(kernel, code)
+    kill_replica(kernel, executor_id(kernel))
+    assert [streams(ok(kernel, code, timeout=60)) for code in READ_BACK] == want[len(RESULTS):]
+
+
 def test_a_cpu_kernel_whose_variables_only_their_process_can_load_says_why_after_a_failover(cluster):
     """A CPU kernel's executor does not load its own image (a GPU kernel's does, and keeps such a
     cell's variables out: test_gpu_cells.py). Once it is lost, the replica elected cannot load

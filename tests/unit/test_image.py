@@ -264,13 +264,13 @@ def test_finding_what_cannot_pickle_copies_no_large_buffer(monkeypatch):
     copied: list[int] = []
     real = images._dumps
 
-    def spy(value, take, namespace=None):
+    def spy(value, take, namespace=None, sealed=None):
         def watched(pb):
             in_band = take(pb)
             if in_band and pb.raw().nbytes >= images.BUFFER_MIN_BYTES:
                 copied.append(pb.raw().nbytes)
             return in_band
-        return real(value, watched, namespace)
+        return real(value, watched, namespace, sealed)
 
     monkeypatch.setattr(images, "_dumps", spy)
     ns = {"big": np.ones(1 << 18), "lock": threading.Lock(), "Out": {1: np.ones(1 << 18), 2: threading.Lock()}}
