@@ -252,7 +252,8 @@ class _Pickler(cloudpickle.Pickler):
     their logical device (:mod:`gpuhub.kernel.devices`), notebook functions' functools wrappers by
     value (:mod:`gpuhub.kernel.wrappers`), notebook functions' globals sent as a reference to
     the namespace (``namespace``: the one being captured), and outputs sealed
-    (:mod:`gpuhub.kernel.sealed_outputs`; ``sealed``: out-of-band stream id -> digest, filled in)."""
+    (:mod:`gpuhub.kernel.sealed_outputs`; ``sealed``: filled in with id -> (stream, digest) of the
+    sealed streams that leave out of band)."""
 
     def __init__(self, file, *, namespace: dict | None = None, sealed: dict | None = None, **kw) -> None:
         super().__init__(file, **kw)
@@ -305,7 +306,7 @@ class _Pickler(cloudpickle.Pickler):
         if seal is None:
             return _identity, (value,)
         if len(seal.stream) >= sealed_outputs.OUT_OF_BAND_MIN:
-            self._sealed[id(seal.stream)] = seal.digest
+            self._sealed[id(seal.stream)] = (seal.stream, seal.digest)
         return sealed_outputs.load_alone, (pickle.PickleBuffer(seal.stream), seal.shared)
 
     def _seal(self, value) -> sealed_outputs.Seal | None:
@@ -474,14 +475,16 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     _out_of_band_bytes(image, min_buffer)
     buffers: list[memoryview] = []
     digests: list[str | None] = []
-    sealed: dict[int, str] = {}  # id of a sealed output's stream -> its digest: out of band
+    sealed: dict[int, tuple] = {}  # id of a sealed output's stream -> (stream, digest): out of band
 
     def take(pb: pickle.PickleBuffer) -> bool:
         try:
             raw = pb.raw()  # contiguous bytes; BufferError when not contiguous
         except BufferError:
             return True
-        known = sealed.get(id(raw.obj))
+        stream, known = sealed.get(id(raw.obj), (None, None))
+        if stream is not raw.obj:  # (the entry holds the stream: its id stays its own)
+            known = None
         if known is None and raw.nbytes < min_buffer:
             return True
         buffers.append(raw)
@@ -491,6 +494,7 @@ def capture(ns: dict, hidden, *, known_digest: Callable[[memoryview], str | None
     while True:
         buffers.clear()
         digests.clear()
+        sealed.clear()
         try:
             stream = _dumps(image, take, ns, sealed)
             break
