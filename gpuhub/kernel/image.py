@@ -312,7 +312,7 @@ class _Pickler(cloudpickle.Pickler):
     def _seal(self, value) -> sealed_outputs.Seal | None:
         if self._memo_copy is None:
             self._memo_copy = self.memo.copy()  # everything the image holds before this output
-        made = sealed_outputs.dump_alone(_SealingPickler, value, self._memo_copy, self._namespace)
+        made = _dump_alone(value, self._memo_copy, self._namespace)
         if made is None:
             sealed_outputs.refuse(value)
             return None
@@ -360,6 +360,24 @@ class _SealingPickler(_Pickler):
         if (torch is not None and isinstance(obj, torch.Tensor)) or _held_by_pyplot(obj):
             self.refused = True  # a tensor's storage may be shared in ways the memo does not show
         return super().reducer_override(obj)
+
+
+def _dump_alone(value, shared_ids: dict, namespace: dict | None):
+    """Pickle an output on its own, the objects in ``shared_ids`` (id -> memo entry: the rest of
+    the image's) as references. Returns (stream, the shared objects in reference order, the ids of
+    its own objects), or None when it must be pickled with the namespace: it holds a tensor, a
+    large buffer or a figure pyplot still has open, or it does not pickle."""
+    out = io.BytesIO()
+    pickler = _SealingPickler(out, shared_ids, namespace=namespace)
+    try:
+        pickler.dump(value)
+    except Exception:
+        return None
+    if pickler.refused or out.tell() > sealed_outputs.SEALED_MAX:
+        return None
+    own = {i for i, (_, obj) in pickler.memo.copy().items()
+           if i not in shared_ids and not isinstance(obj, sealed_outputs.NOT_OWNED)}
+    return out.getvalue(), pickler.shared, own
 
 
 def _held_by_pyplot(obj) -> bool:
@@ -525,7 +543,9 @@ def _in_pickle_order(ns: dict, names: list[str]) -> dict:
     :class:`_Output` wrappers (one per output, shared by ``Out`` and the names bound to it) while
     outputs are sealed (:mod:`gpuhub.kernel.sealed_outputs`). ``Out`` is a copy, so that entries
     that cannot pickle can be left out."""
-    history = [n for n in names if n == OUT or OUTPUT_NAME.fullmatch(n)]
+    kind = _KIND_OF.get
+    # the names replicated_names just classified: their kind is remembered, no pattern is matched again
+    history = {n for n in names if (kind(n) or _kind_of(n)) == _ALWAYS}
     image = {name: ns[name] for name in names if name not in history}
     out = ns.get(OUT) if OUT in history else None
     wrapped: dict[int, _Output] = {}
@@ -537,9 +557,8 @@ def _in_pickle_order(ns: dict, names: list[str]) -> dict:
             out = {k: wrapped[id(v)] for k, v in out.items()}
         else:
             out = dict(out)
-    for name in history:
-        value = out if name == OUT else ns[name]
-        image[name] = wrapped.get(id(value), value) if name != OUT else value
+    for name in (n for n in names if n in history):
+        image[name] = out if name == OUT else wrapped.get(id(ns[name]), ns[name])
     return image
 
 

@@ -33,6 +33,7 @@ over, or a GPU cell's child forked from it, carries on the same streams.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import pickle
 import re
@@ -67,8 +68,9 @@ _CODE_MAGICS = frozenset({"time", "timeit", "prun", "capture"})
 _IPYTHON_CALLS = frozenset({"run_line_magic", "run_cell_magic", "system", "getoutput"})
 
 
-# objects no output owns: immutable, or loaded by reference as the very same object
-_NOT_OWNED = (str, bytes, int, float, complex, tuple, frozenset, type, types.FunctionType,
+# objects no output owns: immutable, or loaded by reference as the very same object (a
+# capture does not count them among an output's own, gpuhub/kernel/image.py)
+NOT_OWNED = (str, bytes, int, float, complex, tuple, frozenset, type, types.FunctionType,
               types.BuiltinFunctionType, types.ModuleType, types.MethodDescriptorType)
 
 
@@ -166,13 +168,18 @@ def may_reach_outputs(code: str) -> bool:
     ``Out``, ``_oh``, ``_``, ``__``, ``___`` or ``_N`` other than by assigning it, or reaches the
     namespace indirectly (see the module docstring). A cell that does not compile runs nothing."""
     try:
-        from IPython.core.inputtransformer2 import TransformerManager
-
-        source = TransformerManager().transform_cell(code)
-        tree = ast.parse(source)
+        tree = ast.parse(_transformer().transform_cell(code))
     except Exception:  # not Python once IPython's syntax is transformed: it runs nothing
         return False
     return _Reaches().reaches(tree)
+
+
+@functools.cache
+def _transformer():
+    """IPython's own cell transformer (``%magic`` and ``!cmd`` to Python), made once per process."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager()
 
 
 def _tokens_reach(text: str) -> bool:
@@ -226,24 +233,6 @@ class _Reaches(ast.NodeVisitor):
                 self.found = True
             return
         self.generic_visit(node)
-
-
-def dump_alone(pickler_type, value, shared_ids: dict, namespace: dict | None):
-    """Pickle ``value`` on its own, the objects in ``shared_ids`` (id -> memo entry: the rest of
-    the image's) as references. Returns (stream, the shared objects in reference order, the ids of
-    its own objects), or None when it must be pickled with the namespace: it holds a tensor, a
-    large buffer or a figure pyplot still has open, or it does not pickle."""
-    out = io.BytesIO()
-    pickler = pickler_type(out, shared_ids, namespace=namespace)
-    try:
-        pickler.dump(value)
-    except Exception:
-        return None
-    if pickler.refused or out.tell() > SEALED_MAX:
-        return None
-    own = {i for i, (_, obj) in pickler.memo.copy().items()
-           if i not in shared_ids and not isinstance(obj, _NOT_OWNED)}
-    return out.getvalue(), pickler.shared, own
 
 
 def load_alone(data, shared: list):

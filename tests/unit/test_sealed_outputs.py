@@ -30,13 +30,13 @@ def load(cap: images.Capture, namespace: dict | None = None) -> dict:
 
 def count_seals(monkeypatch) -> list:
     made: list = []
-    real = sealed_outputs.dump_alone
+    real = images._dump_alone
 
-    def spy(*args, **kw):
-        made.append(args[1])
-        return real(*args, **kw)
+    def spy(value, *args, **kw):
+        made.append(value)
+        return real(value, *args, **kw)
 
-    monkeypatch.setattr(sealed_outputs, "dump_alone", spy)
+    monkeypatch.setattr(images, "_dump_alone", spy)
     return made
 
 
