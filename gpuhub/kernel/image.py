@@ -261,7 +261,9 @@ class _Pickler(cloudpickle.Pickler):
         self._namespace = namespace
         self._sealed = sealed if sealed is not None else {}
         self._memo_copy: dict | None = None  # the memo as the last output was tried against it
-        self._own: dict[int, sealed_outputs.Seal] = {}  # objects of the outputs sealed by this dump
+        # id -> (seal, object) for the objects of the outputs sealed by this dump; holding the object
+        # keeps its id from going to another (a reducer's temporaries die with their pickler)
+        self._own: dict[int, tuple[sealed_outputs.Seal, object]] = {}
         if namespace is not None:
             # cloudpickle looks a function's future globals up here by id (functions sharing
             # globals share them once loaded): the namespace's entry is the marker. globals_ref
@@ -317,12 +319,13 @@ class _Pickler(cloudpickle.Pickler):
             sealed_outputs.refuse(value)
             return None
         stream, shared, own = made
-        for i in own:
-            if i in self._own:
-                raise sealed_outputs.Unseal(self._own[i])
+        for i, obj in own.items():
+            held = self._own.get(i)
+            if held is not None and held[1] is obj:
+                raise sealed_outputs.Unseal(held[0])
         seal = sealed_outputs.Seal(value, stream, shared)
         sealed_outputs.add(seal)
-        self._own.update(dict.fromkeys(own, seal))
+        self._own.update((i, (seal, obj)) for i, obj in own.items())
         return seal
 
 
@@ -364,8 +367,8 @@ class _SealingPickler(_Pickler):
 
 def _dump_alone(value, shared_ids: dict, namespace: dict | None):
     """Pickle an output on its own, the objects in ``shared_ids`` (id -> memo entry: the rest of
-    the image's) as references. Returns (stream, the shared objects in reference order, the ids of
-    its own objects), or None when it must be pickled with the namespace: it holds a tensor, a
+    the image's) as references. Returns (stream, the shared objects in reference order, id -> object
+    of its own objects), or None when it must be pickled with the namespace: it holds a tensor, a
     large buffer or a figure pyplot still has open, or it does not pickle."""
     out = io.BytesIO()
     pickler = _SealingPickler(out, shared_ids, namespace=namespace)
@@ -375,7 +378,7 @@ def _dump_alone(value, shared_ids: dict, namespace: dict | None):
         return None
     if pickler.refused or out.tell() > sealed_outputs.SEALED_MAX:
         return None
-    own = {i for i, (_, obj) in pickler.memo.copy().items()
+    own = {i: obj for i, (_, obj) in pickler.memo.copy().items()
            if i not in shared_ids and not isinstance(obj, sealed_outputs.NOT_OWNED)}
     return out.getvalue(), pickler.shared, own
 

@@ -78,6 +78,17 @@ def test_a_replica_that_loaded_the_image_carries_the_same_sealed_streams_on(monk
     assert load(again)["Out"][1] == big
 
 
+def test_outputs_sealed_in_one_capture_are_all_sealed_though_their_pickles_reuse_ids():
+    """A replica that took over seals every output in one capture. Each output's pickle ends before
+    the next starts, so the next reuses its temporaries' ids: not objects the two share."""
+    import pandas as pd
+
+    df = pd.DataFrame({"a": np.arange(100), "b": np.arange(100) / 3})
+    ns = notebook({n: df.head() for n in range(1, 31)}, df=df)
+    images.capture(ns, set())
+    assert [n for n, v in ns["Out"].items() if sealed_outputs.seal_of(v) is None] == []
+
+
 def test_a_cell_that_names_the_output_history_ends_sealing_and_its_changes_replicate():
     ns = notebook({1: [1, 2]})
     images.capture(ns, set())
