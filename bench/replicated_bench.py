@@ -28,7 +28,9 @@ run, its cells interleaved with the measured kernel's in rounds so that machine 
 - B7: B1 again with a notebook's results kept in ``Out`` on both kernels: 200 ``df.head()`` of a
   1,000-row frame and 40 ``plt.plot(...)`` (each ``[Line2D]`` holds its whole figure). Results
   are pickled once, by the cell that made them (gpuhub/kernel/sealed_outputs.py); before that,
-  every later cell pickled them all again.
+  every later cell pickled them all again. B7c: ``i += 1`` after them, a cell that changes the
+  namespace, so every replica that loads its image (both followers) gets one; B7g: the same on
+  a GPU kernel, whose replica loads its cell's image from the child before the reply.
 - B4: SIGKILL an idle (non-executor) replica and its node's agent, then time the next cell;
   median over 5 fresh kernels (each on a fresh DevCluster).
 """
@@ -63,6 +65,7 @@ B6_DEPTH = 3000
 B7_SETUP = ("import numpy as np, pandas as pd\nimport matplotlib.pyplot as plt\n"
             "df = pd.DataFrame({'a': np.arange(1000), 'b': np.arange(1000) / 3})")
 B7_RESULTS = ["df.head()"] * 200 + ["plt.plot(np.arange(100) % 7)"] * 40
+B7C_CELLS = 60
 B5_CELLS = 30
 B5_THINK_S = 0.2
 B2T_CELLS = 60
@@ -170,19 +173,7 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
             finally:
                 k.close()
         if "B7" in parts:
-            k = DevKernel(cluster, gpus=0)
-            try:
-                for kc in (k.kc, plain):
-                    cell(kc, B7_SETUP)
-                    for i, code in enumerate(B7_RESULTS):
-                        cell(kc, code)
-                        if (i + 1) % 80 == 0:
-                            progress(f"B7 {i + 1} of {len(B7_RESULTS)} results")
-                t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
-                results["B7"] = row(f"B7 as B1, {len(B7_RESULTS)} results in `Out`", t["cpu"], t["plain"])
-                cell(plain, "Out.clear()")
-            finally:
-                k.close()
+            run_b7(cluster, plain, results)
         if "B2" in parts:
             k = DevKernel(cluster, gpus=1)
             try:
@@ -254,6 +245,36 @@ def run_b1_b2_b3b(parts: set[str], tmp: Path, plain: BlockingKernelClient, resul
                 k.close()
     finally:
         cluster.stop()
+
+
+def b7_results(kc, what: str) -> None:
+    cell(kc, B7_SETUP)
+    for i, code in enumerate(B7_RESULTS):
+        cell(kc, code)
+        if (i + 1) % 80 == 0:
+            progress(f"B7 {i + 1} of {len(B7_RESULTS)} results on the {what}")
+    cell(kc, "i = 0")
+
+
+def run_b7(cluster: DevCluster, plain: BlockingKernelClient, results: dict) -> None:
+    b7_results(plain, "plain kernel")
+    k = DevKernel(cluster, gpus=0)
+    try:
+        b7_results(k.kc, "CPU kernel")
+        t = interleaved({"cpu": k.kc, "plain": plain}, "x = 1")
+        results["B7"] = row(f"B7 as B1, {len(B7_RESULTS)} results in `Out`", t["cpu"], t["plain"])
+        t = interleaved({"cpu": k.kc, "plain": plain}, "i += 1", n=B7C_CELLS, warmup=5)
+        results["B7c"] = row("B7c `i += 1` (a changed namespace), CPU kernel, as B7", t["cpu"], t["plain"])
+    finally:
+        k.close()
+    k = DevKernel(cluster, gpus=1)
+    try:
+        b7_results(k.kc, "GPU kernel")
+        t = interleaved({"gpu": k.kc, "plain": plain}, "i += 1", n=B7C_CELLS, warmup=5)
+        results["B7g"] = row("B7g as B7c, GPU kernel (fake GPU)", t["gpu"], t["plain"])
+    finally:
+        k.close()
+    cell(plain, "Out.clear()")
 
 
 def run_b3a(results: dict) -> None:
@@ -332,6 +353,9 @@ def table(results: dict, parts: set[str], command: str, soft_dirty: bool) -> str
     if "B7" in results:
         r = results["B7"]
         kernel_row("B7", "p50 ≤ 1.5× plain, as B1", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain")
+        r = results["B7c"]
+        kernel_row("B7c", "p50 ≤ 1.5× plain, as B1", r["ratio"] <= 1.5, f"{r['ratio']:.2f}× plain")
+        kernel_row("B7g", "(reported)", None, f"+{ms(results['B7g']['extra'])} ms")
     for key in ("B2-small", "B2t-small"):
         if key in results:
             kernel_row(key, "(reported)", None, f"+{ms(results[key]['extra'])} ms")

@@ -201,6 +201,7 @@ def serve(shell, resident: dict[str, memoryview], *, out_fd: int, in_fd: int) ->
     # Large buffers the cell does not write keep the parent's digests: not hashed, not sent. Armed
     # before the cell comes: nothing writes this process's memory until then.
     _, known_digest = images.track(resident, mode="forked-child", sentinel=False)
+    images.build_outputs(shell.user_ns, shell.user_ns_hidden)  # the outputs the replica's load left pending
     armed = time.monotonic()
     go = replies.recv_blocking()
     if go is None or go[0] != "go":

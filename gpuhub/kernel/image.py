@@ -32,9 +32,11 @@ key no Python name can be.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import itertools
+import logging
 import pickle
 import re
 import sys
@@ -55,6 +57,8 @@ from gpuhub.kernel import (
     wrappers,
 )
 from gpuhub.kernel.quiet import silenced
+
+log = logging.getLogger(__name__)
 
 BUFFER_MIN_BYTES = 1 << 20
 """Buffers smaller than this stay in the pickle stream (naming them would not pay)."""
@@ -570,21 +574,79 @@ def _loads(stream, buffers: list):
         return pickle.loads(stream, buffers=buffers)
 
 
-def load(stream, buffers: list, namespace: dict | None = None) -> dict:
+def load(stream, buffers: list, namespace: dict | None = None, *, defer_outputs: bool = False) -> dict:
     """The ``{name: value}`` an image holds, and its :data:`PROCESS` entry; ``buffers`` supply
     its out-of-band buffers, in order (writable memory the caller may let the values keep: see
     gpuhub/kernel/replica.py). ``namespace``: the one the values are for (:func:`install` them
-    there next): notebook functions get it as their globals; without it they share a new dict."""
-    if namespace is None:
+    there next): notebook functions get it as their globals; without it they share a new dict.
+    ``defer_outputs``: sealed outputs stay pending until :func:`build_outputs` (a replica's load)."""
+    with sealed_outputs.deferring(defer_outputs), _loading_for(namespace):
         return _loads(stream, buffers)
+
+
+@contextlib.contextmanager
+def _loading_for(namespace: dict | None):
+    if namespace is None:
+        yield
+        return
     builtins = namespace.get("__builtins__")
     _loading.namespace = namespace
     try:
-        return _loads(stream, buffers)
+        yield
     finally:
         del _loading.namespace
         if builtins is not None:  # cloudpickle sets its own module's (a dict) on functions' globals
             namespace["__builtins__"] = builtins
+
+
+def build_outputs(ns: dict, hidden) -> None:
+    """Build the outputs a deferred load left pending (:mod:`gpuhub.kernel.sealed_outputs`),
+    wherever the image put them (``Out``, ``_N``, ``_``…) and IPython copied them (its hidden
+    namespace, its displayhook). Called before code runs or a request reads the namespace; when
+    nothing is pending it costs a flag test. An output that cannot be built is dropped, with a
+    warning: a namespace in which the rest is missing would be worse."""
+    if not sealed_outputs.any_pending():
+        return
+    installs = sealed_outputs.pending_installs()  # one installed meanwhile is built by the next call
+    Pending = sealed_outputs.Pending
+    made: dict[int, tuple] = {}  # id(pending) -> (pending, its output or _NOT_BUILT)
+
+    def output(pending):
+        got = made.get(id(pending))
+        if got is None:
+            try:
+                got = (pending, sealed_outputs.build(pending))
+            except Exception as exc:
+                log.warning("an output in Out could not be rebuilt on this replica and is left out: %s: %s",
+                            type(exc).__name__, exc)
+                got = (pending, _NOT_BUILT)
+            made[id(pending)] = got
+        return got[1]
+
+    def rebuild(where: dict, keys) -> None:
+        for key in keys:
+            value = output(where[key])
+            if value is _NOT_BUILT:
+                del where[key]
+            else:
+                where[key] = value
+
+    with silenced(), _loading_for(ns):
+        out = ns.get(OUT)
+        if isinstance(out, dict):
+            rebuild(out, [k for k, v in out.items() if type(v) is Pending])
+        rebuild(ns, [k for k, v in ns.items() if type(v) is Pending])
+        if isinstance(hidden, dict):
+            rebuild(hidden, [u for u in UNDERS if type(hidden.get(u)) is Pending])
+        hook = _displayhook()
+        for u in UNDERS:
+            if type(getattr(hook, u, None)) is Pending:
+                value = output(getattr(hook, u))
+                setattr(hook, u, "" if value is _NOT_BUILT else value)
+    sealed_outputs.built(installs)
+
+
+_NOT_BUILT = object()
 
 
 def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -> None:
@@ -612,3 +674,5 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
         sealed_outputs.keep_only(out.values())  # the seals of the outputs replaced go
     if isinstance(process, dict):
         _give_output_history_to_ipython(ns, hidden, process.get("output_history"))
+    if isinstance(out, dict) and any(type(v) is sealed_outputs.Pending for v in out.values()):
+        sealed_outputs.pending_installed()  # once they are in place: build_outputs must look

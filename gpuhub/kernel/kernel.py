@@ -601,6 +601,8 @@ class GpuhubKernel(Refusals, IPythonKernel):
         shell, rep = self.shell, self.replica
         began = time.monotonic()
         if self.gpus == 0:
+            # the cell may read Out (a GPU cell's process builds the outputs it has itself)
+            images.build_outputs(shell.user_ns, shell.user_ns_hidden)
             # Large buffers no write touched keep their digest (gpuhub/kernel/dirty.py): not hashed again.
             tracker, known_digest = self._tracker_for_cell()
             before = images.buffer_digests(rep.resident)
@@ -685,6 +687,16 @@ class GpuhubKernel(Refusals, IPythonKernel):
         resident_id, written = self._written
         return images.track(rep.resident, mode="in-process", sentinel=rep.settings.write_tracking == "pages",
                             hash_instead=written if resident_id == id(rep.resident) else ())
+
+    # Requests that read the namespace: the outputs a load left pending are built first
+    # (gpuhub/kernel/sealed_outputs.py). Cells build them where they run (_run_here, a GPU cell's process).
+    def do_complete(self, code, cursor_pos):
+        images.build_outputs(self.shell.user_ns, self.shell.user_ns_hidden)
+        return super().do_complete(code, cursor_pos)
+
+    def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+        images.build_outputs(self.shell.user_ns, self.shell.user_ns_hidden)
+        return super().do_inspect(code, cursor_pos, detail_level, omit_sections)
 
     async def dispatch_shell(self, *args, **kwargs):
         await super().dispatch_shell(*args, **kwargs)

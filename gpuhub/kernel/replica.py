@@ -603,7 +603,8 @@ class Replica:
             stream = bytes(self._blob(entry.stream_digest))
         used: set[str] = set()
         buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]
-        return images.load(stream, buffers, namespace), buffers, digest(stream)
+        # outputs stay pending until something may read them (gpuhub/kernel/sealed_outputs.py)
+        return images.load(stream, buffers, namespace, defer_outputs=True), buffers, digest(stream)
 
     def load_image(self, entry: ImageEntry, namespace: dict | None = None) -> dict:
         """The ``{name: value}`` of a committed image, built on this replica's memory, for

@@ -28,15 +28,25 @@ What keeps this exact:
 One kernel process holds one namespace, so the seals are this module's state: made by a capture
 (``gpuhub.kernel.image``), or taken on by a load (:func:`load_alone`), so a replica that takes
 over, or a GPU cell's child forked from it, carries on the same streams.
+
+**Built when read.** A replica's load rebuilds the whole namespace, so every output with it
+(0.3 s for 240 results on the dev VM), after every cell that changed anything: a follower would
+pay that for outputs nobody reads there. A replica loads with outputs deferred (:func:`deferring`):
+each stays a :class:`Pending` (its stream and the objects it refers to, which the rest of the load
+just built) until code or a request may read the namespace, and
+``gpuhub.kernel.image.build_outputs`` builds them all. A capture carries a pending output's
+stream as it carries a built one's.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import io
 import pickle
 import re
+import threading
 import tokenize
 import types
 
@@ -92,6 +102,22 @@ class Seal:
         return self._digest
 
 
+class Pending:
+    """An output a deferred load left unbuilt: ``stream`` loads it, given ``shared``. Pickled with
+    the namespace (sealing ended since it was loaded), it loads as the output itself."""
+
+    __slots__ = ("shared", "stream")
+
+    def __init__(self, stream: bytes, shared: list) -> None:
+        self.stream, self.shared = stream, shared
+
+    def __reduce__(self):
+        return load_alone, (pickle.PickleBuffer(self.stream), self.shared)
+
+    def __repr__(self) -> str:
+        return "<gpuhub: an output not built yet>"
+
+
 class Unseal(Exception):
     """Raised from a capture that sealed two outputs holding one object between them (each on its
     own would load a copy of it): it starts again with ``seal``'s output pickled with the namespace."""
@@ -104,6 +130,11 @@ class Unseal(Exception):
 _seals: dict[int, Seal] = {}  # id(output) -> its seal (the seal holds the output: the id stays its)
 _not_sealed: dict[int, object] = {}  # outputs found not to seal: pickled with the namespace
 _enabled = True
+_loading = threading.local()  # .defer: outputs loaded on this thread are left pending
+# Namespaces given pending outputs (counted once they hold them), and how many of those the last
+# build_outputs had seen: a load on another thread (a joining replica's) while one builds is not missed.
+_pending_installs = 0
+_builds_saw = 0
 
 
 def enabled() -> bool:
@@ -235,9 +266,57 @@ class _Reaches(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+@contextlib.contextmanager
+def deferring(defer: bool = True):
+    """Outputs loaded on this thread meanwhile are left :class:`Pending` (while sealing is on)."""
+    before = getattr(_loading, "defer", False)
+    _loading.defer = defer
+    try:
+        yield
+    finally:
+        _loading.defer = before
+
+
 def load_alone(data, shared: list):
-    """A sealed stream's value (``shared``: the objects its references name), remembered as sealed."""
+    """A sealed stream's value (``shared``: the objects its references name), remembered as sealed;
+    a :class:`Pending` for it while :func:`deferring`."""
     stream = bytes(data)
+    if _enabled and getattr(_loading, "defer", False):
+        pending = Pending(stream, shared)
+        add(Seal(pending, stream, shared))
+        return pending
+    return _build(stream, shared)
+
+
+def pending_installed() -> None:
+    """A namespace now holds pending outputs (``gpuhub.kernel.image.install``)."""
+    global _pending_installs
+    _pending_installs += 1
+
+
+def pending_installs() -> int:
+    """How many times a namespace was given pending outputs (a build passes it to :func:`built`)."""
+    return _pending_installs
+
+
+def any_pending() -> bool:
+    """Whether a namespace was given pending outputs since the last build looked."""
+    return _pending_installs != _builds_saw
+
+
+def build(pending: Pending):
+    """The output ``pending`` stands for, remembered as sealed in its place."""
+    _seals.pop(id(pending), None)
+    return _build(pending.stream, pending.shared)
+
+
+def built(installs_seen: int) -> None:
+    """A build found and built every pending output of the first ``installs_seen`` installs."""
+    global _builds_saw
+    _builds_saw = installs_seen
+
+
+def _build(stream: bytes, shared: list):
     unpickler = pickle.Unpickler(io.BytesIO(stream))
     unpickler.persistent_load = shared.__getitem__
     value = unpickler.load()

@@ -199,6 +199,10 @@ def test_outputs_pickled_once_load_with_their_values_and_identities_after_a_fail
     for code in RESULTS:
         ok(kernel, code)
     kill_replica(kernel, executor_id(kernel))
+    # Before any cell, a request that reads the namespace: the replicas loaded the outputs
+    # pending (built only when read), and a completion must see them built.
+    matches = kernel.kc.complete("_4.app", reply=True, timeout=60)["content"]["matches"]
+    assert any(m.endswith("append") for m in matches), matches
     assert [streams(ok(kernel, code, timeout=60)) for code in READ_BACK] == want[len(RESULTS):]
 
 

@@ -78,6 +78,53 @@ def test_a_replica_that_loaded_the_image_carries_the_same_sealed_streams_on(monk
     assert load(again)["Out"][1] == big
 
 
+def deferred_load(cap: images.Capture) -> tuple[dict, dict]:
+    """A replica's load (outputs left pending) into a namespace of its own, and its hidden part."""
+    ns: dict = {"Out": {}}
+    hidden: dict = {}
+    buffers = [memoryview(bytearray(b)) for b in cap.buffers]
+    images.install(ns, hidden, images.load(cap.stream, buffers, ns, defer_outputs=True))
+    return ns, hidden
+
+
+def test_a_replicas_load_leaves_outputs_pending_and_carries_them_until_they_are_read(monkeypatch):
+    shared = {"k": [1, 2]}
+    ns = notebook({1: [shared, "own"], 2: (6 * 7, "answer")}, s=shared)
+    cap = images.capture(ns, set())
+    built = []
+    real = sealed_outputs._build
+    monkeypatch.setattr(sealed_outputs, "_build", lambda *a: built.append(a) or real(*a))
+    other, hidden = deferred_load(cap)
+    assert built == [] and type(other["Out"][1]) is sealed_outputs.Pending and other["_1"] is other["Out"][1]
+    other["y"] = 2  # a cell ran elsewhere: this replica's next image carries the outputs unbuilt
+    made = count_seals(monkeypatch)
+    again = load(images.capture(other, set()))
+    assert made == [] and again["Out"][1] == [shared, "own"] and again["Out"][1][0] is again["s"]
+    built.clear()
+    images.build_outputs(other, hidden)
+    assert len(built) == 2  # once each, though three names hold the last
+    assert other["Out"] == {1: [shared, "own"], 2: (42, "answer")} and other["Out"][1][0] is other["s"]
+    assert other["_1"] is other["Out"][1] and other["_"] is other["Out"][2] and other["_2"] is other["Out"][2]
+    assert sealed_outputs.seal_of(other["Out"][1]) is not None  # still carried by its stream
+    images.build_outputs(other, hidden)
+    assert len(built) == 2
+
+
+def test_a_pending_output_pickled_once_sealing_ended_loads_as_its_value():
+    shared = [1]
+    other, _ = deferred_load(images.capture(notebook({1: {"held": shared}}, s=shared), set()))
+    sealed_outputs.disable()  # (a cell elsewhere reached Out; this replica loads that image next)
+    got = load(images.capture(other, set()))
+    assert got["Out"][1] == {"held": [1]} and got["Out"][1]["held"] is got["s"]
+
+
+def test_an_output_that_cannot_be_built_is_left_out_and_the_rest_kept():
+    other, hidden = deferred_load(images.capture(notebook({1: ["first"], 2: ["second"]}), set()))
+    other["Out"][1].stream = b"not a pickle"
+    images.build_outputs(other, hidden)
+    assert other["Out"] == {2: ["second"]} and "_1" not in other and other["_"] == ["second"]
+
+
 def test_outputs_sealed_in_one_capture_are_all_sealed_though_their_pickles_reuse_ids():
     """A replica that took over seals every output in one capture. Each output's pickle ends before
     the next starts, so the next reuses its temporaries' ids: not objects the two share."""
