@@ -605,9 +605,10 @@ def build_outputs(ns: dict, hidden) -> None:
     namespace, its displayhook). Called before code runs or a request reads the namespace; when
     nothing is pending it costs a flag test. An output that cannot be built is dropped, with a
     warning: a namespace in which the rest is missing would be worse."""
-    if not sealed_outputs.any_pending():
+    global _installs_built
+    installs = _pending_installs  # one installed meanwhile is built by the next call
+    if installs == _installs_built:
         return
-    installs = sealed_outputs.pending_installs()  # one installed meanwhile is built by the next call
     Pending = sealed_outputs.Pending
     made: dict[int, tuple] = {}  # id(pending) -> (pending, its output or _NOT_BUILT)
 
@@ -643,10 +644,14 @@ def build_outputs(ns: dict, hidden) -> None:
             if type(getattr(hook, u, None)) is Pending:
                 value = output(getattr(hook, u))
                 setattr(hook, u, "" if value is _NOT_BUILT else value)
-    sealed_outputs.built(installs)
+    _installs_built = installs
 
 
 _NOT_BUILT = object()
+# Installs that left pending outputs in a namespace, and how many of those the last build_outputs
+# had seen: one on another thread (a joining replica's) while a build runs is not missed.
+_pending_installs = 0
+_installs_built = 0
 
 
 def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -> None:
@@ -656,6 +661,7 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     replicated name not in the image is removed. ``Out`` is updated in place: IPython's
     displayhook and history hold that very dict. The image's working directory and environment
     become this process's (an image from before they were carried leaves both as they are)."""
+    global _pending_installs
     process = image.pop(PROCESS, None)
     apply_process(process)
     candidates = replicated_names(ns, hidden) if known is None else [n for n in known if n in ns]
@@ -675,4 +681,4 @@ def install(ns: dict, hidden, image: dict, known: Iterable[str] | None = None) -
     if isinstance(process, dict):
         _give_output_history_to_ipython(ns, hidden, process.get("output_history"))
     if isinstance(out, dict) and any(type(v) is sealed_outputs.Pending for v in out.values()):
-        sealed_outputs.pending_installed()  # once they are in place: build_outputs must look
+        _pending_installs += 1  # once they are in place: build_outputs must look

@@ -131,10 +131,6 @@ _seals: dict[int, Seal] = {}  # id(output) -> its seal (the seal holds the outpu
 _not_sealed: dict[int, object] = {}  # outputs found not to seal: pickled with the namespace
 _enabled = True
 _loading = threading.local()  # .defer: outputs loaded on this thread are left pending
-# Namespaces given pending outputs (counted once they hold them), and how many of those the last
-# build_outputs had seen: a load on another thread (a joining replica's) while one builds is not missed.
-_pending_installs = 0
-_builds_saw = 0
 
 
 def enabled() -> bool:
@@ -288,32 +284,10 @@ def load_alone(data, shared: list):
     return _build(stream, shared)
 
 
-def pending_installed() -> None:
-    """A namespace now holds pending outputs (``gpuhub.kernel.image.install``)."""
-    global _pending_installs
-    _pending_installs += 1
-
-
-def pending_installs() -> int:
-    """How many times a namespace was given pending outputs (a build passes it to :func:`built`)."""
-    return _pending_installs
-
-
-def any_pending() -> bool:
-    """Whether a namespace was given pending outputs since the last build looked."""
-    return _pending_installs != _builds_saw
-
-
 def build(pending: Pending):
     """The output ``pending`` stands for, remembered as sealed in its place."""
     _seals.pop(id(pending), None)
     return _build(pending.stream, pending.shared)
-
-
-def built(installs_seen: int) -> None:
-    """A build found and built every pending output of the first ``installs_seen`` installs."""
-    global _builds_saw
-    _builds_saw = installs_seen
 
 
 def _build(stream: bytes, shared: list):
