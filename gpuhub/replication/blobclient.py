@@ -1,13 +1,27 @@
 """The blob client: the executing replica sends new values to its peers (:func:`push`,
 :func:`push_all`); a replica that lacks a value asks its peers for it (:func:`fetch`). Protocol:
-:mod:`gpuhub.replication.blobwire`."""
+:mod:`gpuhub.replication.blobwire`.
+
+**Connections kept between calls.** Opening a connection costs a TCP connect, a thread on the
+server and the handshake's three messages: 3 ms of a push of 100 KB to two peers on the dev VM,
+whatever its size, paid by every cell whose image has a new value or a stream over the inline
+limit. So a connection that ended its call cleanly is kept for the next call to that server with
+that key (one each, for :data:`KEEP_S`, well under the server's idle timeout; with its record
+buffers, up to 1 MiB each way, and a thread of the server's). A kept connection
+that fails before its call ends (the server restarted, or closed it meanwhile) is replaced by a
+new one and the call made again: pushes and fetches name values by digest, so doing one twice
+stores nothing twice. A process forked from this one never uses them (their record counters are
+this process's).
+"""
 
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from gpuhub.replication import blobwire as wire
@@ -61,6 +75,84 @@ def _connect(addr: str, key: bytes, timeout: float) -> wire.Channel:
         raise
 
 
+KEEP_S = 20.0
+"""How long a connection is kept unused for the next call (blob servers close theirs after 60 s)."""
+
+
+class _Kept:
+    """The connections kept between calls: at most one idle per (server, key)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, bytes], tuple[wire.Channel, float]] = {}
+
+    def take(self, addr: str, key: bytes) -> wire.Channel | None:
+        with self._lock:
+            kept = self._idle.pop((addr, key), None)
+        if kept is not None and time.monotonic() - kept[1] < KEEP_S:
+            return kept[0]
+        if kept is not None:
+            kept[0].close()
+        return None
+
+    def give(self, addr: str, key: bytes, chan: wire.Channel) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [c for k, (c, since) in self._idle.items() if k == (addr, key) or now - since >= KEEP_S]
+            self._idle = {k: v for k, v in self._idle.items() if v[0] not in old}
+            self._idle[(addr, key)] = (chan, now)
+        for c in old:
+            c.close()
+
+    def forget(self) -> None:
+        """Close every kept connection."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for chan, _ in idle.values():
+            chan.close()
+
+    def _after_fork(self) -> None:
+        # in a forked child: the lock may have been held by a thread the child does not have
+        self._lock = threading.Lock()
+        idle, self._idle = self._idle, {}
+        for chan, _ in idle.values():
+            chan.close()  # the child's copy of the descriptor: the parent's connection stays
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+
+_kept = _Kept()
+os.register_at_fork(after_in_child=_kept._after_fork)
+
+
+def _call(addr: str, key: bytes, timeout: float, work: Callable[[wire.Channel], object]):
+    """``work(channel)`` on a kept connection to ``addr``, else on a new one; a kept one that fails
+    is replaced by a new one and ``work`` runs again. The connection is kept after a call that
+    ended cleanly, closed after any other."""
+    chan = _kept.take(addr, key)
+    if chan is not None:
+        try:
+            chan.sock.settimeout(timeout)
+            result = work(chan)
+        except (wire.Closed, wire.Tampered, OSError):
+            chan.close()  # closed by the server meanwhile, most likely: once more, afresh
+        except BaseException:
+            chan.close()
+            raise
+        else:
+            _kept.give(addr, key, chan)
+            return result
+    chan = _connect(addr, key, timeout)
+    try:
+        result = work(chan)
+    except BaseException:
+        chan.close()
+        raise
+    _kept.give(addr, key, chan)
+    return result
+
+
 def _read_reply(chan: wire.Channel, addr: str) -> tuple[bytes, int]:
     record = chan.recv(wire.REP.size + wire.MAX_MSG)
     assert record is not None
@@ -79,8 +171,8 @@ def push(addr: str, key: bytes, items: dict[str, bytes | bytearray | memoryview]
     has are skipped. Raises :class:`BlobError` on any failure (some items may have been stored)."""
     for d in items:
         check_digest(d)
-    chan = _connect(addr, key, timeout)
-    try:
+
+    def put_all(chan: wire.Channel) -> None:
         for d, data in items.items():
             mv = byte_view(data)
             chan.send(wire.REQ.pack(b"P", d.encode("ascii"), mv.nbytes))
@@ -93,10 +185,11 @@ def push(addr: str, key: bytes, items: dict[str, bytes | bytearray | memoryview]
             status, _ = _read_reply(chan, addr)
             if status != b"O":
                 raise BlobError(f"{addr}: unexpected reply {status!r} after PUT body")
+
+    try:
+        _call(addr, key, timeout, put_all)
     except (wire.Closed, wire.Tampered, OSError) as e:
         raise BlobError(f"{addr}: push failed: {e}") from None
-    finally:
-        chan.close()
 
 
 def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | memoryview],
@@ -136,36 +229,38 @@ def push_all(addrs: list[str], key: bytes, items: dict[str, bytes | bytearray | 
 
 def _fetch_one(addr: str, key: bytes, d: str, timeout: float, max_blob: int,
                store: BlobStore | None) -> bytearray | memoryview | None:
-    chan = _connect(addr, key, timeout)
     try:
-        chan.send(wire.REQ.pack(b"G", d.encode("ascii"), 0))
-        status, length = _read_reply(chan, addr)
-        if status == b"N":
-            return None
-        if status != b"O":
-            raise BlobError(f"{addr}: unexpected reply {status!r} to GET")
-        if length > max_blob:
-            raise BlobError(f"{addr}: value of {length} bytes is over the limit")
-        try:
-            buf = store.alloc(length) if store is not None else bytearray(length)
-        except MemoryError:
-            raise BlobError(f"{addr}: no memory for a value of {length} bytes") from None
-        view = memoryview(buf)[:length]
-        got = wire.recv_body(chan, view, verify=True)
-        del view
-        if got != d:
-            if store is not None:
-                store.recycle(buf)
-            raise BlobError(f"{addr}: sent data whose digest does not match {d}")
-        if store is None:
-            return buf
-        store.adopt(d, buf, length)
-        del buf
-        return store.get(d)
+        return _call(addr, key, timeout, lambda chan: _get(chan, addr, d, max_blob, store))
     except (wire.Closed, wire.Tampered, OSError) as e:
         raise BlobError(f"{addr}: fetch failed: {e}") from None
-    finally:
-        chan.close()
+
+
+def _get(chan: wire.Channel, addr: str, d: str, max_blob: int,
+         store: BlobStore | None) -> bytearray | memoryview | None:
+    chan.send(wire.REQ.pack(b"G", d.encode("ascii"), 0))
+    status, length = _read_reply(chan, addr)
+    if status == b"N":
+        return None
+    if status != b"O":
+        raise BlobError(f"{addr}: unexpected reply {status!r} to GET")
+    if length > max_blob:
+        raise BlobError(f"{addr}: value of {length} bytes is over the limit")
+    try:
+        buf = store.alloc(length) if store is not None else bytearray(length)
+    except MemoryError:
+        raise BlobError(f"{addr}: no memory for a value of {length} bytes") from None
+    view = memoryview(buf)[:length]
+    got = wire.recv_body(chan, view, verify=True)
+    del view
+    if got != d:
+        if store is not None:
+            store.recycle(buf)
+        raise BlobError(f"{addr}: sent data whose digest does not match {d}")
+    if store is None:
+        return buf
+    store.adopt(d, buf, length)
+    del buf
+    return store.get(d)
 
 
 def fetch(addrs: list[str], key: bytes, d: str, timeout: float = 30, *,

@@ -1,7 +1,8 @@
 """The blob protocol both ends speak (:mod:`~gpuhub.replication.blobserver`,
 :mod:`~gpuhub.replication.blobclient`): the handshake, the encrypted records, socket helpers.
 
-One TCP connection per ``push``/``fetch`` call; all integers big-endian:
+Requests follow one another on a connection (the client keeps one per server between calls,
+:mod:`~gpuhub.replication.blobclient`); each connection starts with the handshake; all integers big-endian:
 
 1. server → client: ``MAGIC`` (5 bytes) + server nonce ``ns`` (32 random bytes);
 2. client → server: client nonce ``nc`` (32) + ``HMAC-SHA256(key, "gpuhub-blob client v2" || S || ns || nc)``;

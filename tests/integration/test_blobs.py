@@ -59,6 +59,53 @@ def test_put_get_round_trip(servers):
     assert bytes(srv.store.get(digest(b"other"))) == b"other"
 
 
+def counting_connects(monkeypatch) -> list[str]:
+    """Start with no kept connection; the addresses of the new ones from now on."""
+    blobclient._kept.forget()
+    made: list[str] = []
+    real = blobclient._connect
+
+    def connect(addr, *args, **kw):
+        made.append(addr)
+        return real(addr, *args, **kw)
+
+    monkeypatch.setattr(blobclient, "_connect", connect)
+    return made
+
+
+def test_calls_to_a_server_share_one_kept_connection_and_one_it_closed_is_replaced(servers, monkeypatch):
+    made = counting_connects(monkeypatch)
+    (srv,) = servers(1)
+    values = {digest(v): v for v in (b"a" * 100_000, b"b" * 300, b"c" * 3 * MIB)}
+    for d, v in values.items():
+        push(srv.address, KEY, {d: v})
+    got = {d: bytes(fetch([srv.address], KEY, d)) for d in values}
+    assert got == values and made == [srv.address]  # one handshake for six calls
+    for conn in list(srv._conns):  # the server ends it (a restart, its idle timeout)
+        conn.shutdown(socket.SHUT_RDWR)
+    wait_for(lambda: not srv._conns, what="the server to close the connection")
+    new = b"d" * 200_000
+    push(srv.address, KEY, {digest(new): new})  # the kept one fails: the push is made again afresh
+    assert bytes(srv.store.get(digest(new))) == new and made == [srv.address] * 2
+    assert bytes(fetch([srv.address], KEY, digest(new))) == new and made == [srv.address] * 2
+
+
+def test_a_kept_connection_serves_only_its_key_and_never_a_forked_child(servers, monkeypatch):
+    made = counting_connects(monkeypatch)
+    (srv,) = servers(1)
+    other_key = b"o" * 32
+    push(srv.address, KEY, {digest(b"x"): b"x"})
+    with pytest.raises(BlobError, match="authentication refused"):
+        push(srv.address, other_key, {digest(b"y"): b"y"})  # not the connection kept for KEY
+    assert made == [srv.address] * 2 and not srv.store.has(digest(b"y"))
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's connections (and their record counters) are not its
+        os._exit(0 if len(blobclient._kept) == 0 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    push(srv.address, KEY, {digest(b"z"): b"z"})  # the parent's kept connection still works
+    assert made == [srv.address] * 2 and bytes(srv.store.get(digest(b"z"))) == b"z"
+
+
 def test_push_all_to_two_then_fetch_from_either(servers):
     a, b = servers(2)
     items = {digest(v): v for v in (b"x" * 100_000, b"small", b"")}
