@@ -6,17 +6,21 @@
 server and the handshake's three messages: 3 ms of a push of 100 KB to two peers on the dev VM,
 whatever its size, paid by every cell whose image has a new value or a stream over the inline
 limit. So a connection that ended its call cleanly is kept for the next call to that server with
-that key (one each, for :data:`KEEP_S`, well under the server's idle timeout; with its record
-buffers, up to 1 MiB each way, and a thread of the server's). A kept connection
-that fails before its call ends (the server restarted, or closed it meanwhile) is replaced by a
-new one and the call made again: pushes and fetches name values by digest, so doing one twice
-stores nothing twice. A process forked from this one never uses them (their record counters are
-this process's).
+that key: one each, for :data:`KEEP_S` (well under the server's idle timeout), without its record
+buffers, holding a thread of the server's. Before a kept connection is used it is checked (the
+server must have said nothing since, nor closed it); one the server ended all the same just before
+the call, which fails before any reply of that call came, is replaced by a new one and the call
+made on it (nothing of the call had reached the server). A timeout is never retried: a peer that
+is slow or hung costs a call its timeout once. A process forked from this one never uses them:
+their record numbers are this process's, and a number sent twice under one key would break the
+encryption (the at-fork hook drops them in the child; a child forked without it is refused by
+:meth:`~gpuhub.replication.blobwire.Channel.send`).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -29,6 +33,8 @@ from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import byte_view, check_digest
 
 __all__ = ["BlobError", "fetch", "push", "push_all"]
+
+LOG = logging.getLogger(__name__)
 
 
 class BlobError(RuntimeError):
@@ -80,22 +86,34 @@ KEEP_S = 20.0
 
 
 class _Kept:
-    """The connections kept between calls: at most one idle per (server, key)."""
+    """The connections kept between calls: at most one idle per (server, key), in the process that
+    made them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, bytes], tuple[wire.Channel, float]] = {}
+        self._pid = os.getpid()
 
     def take(self, addr: str, key: bytes) -> wire.Channel | None:
+        """The kept connection to ``addr`` for ``key`` if it is still open, else None."""
+        if os.getpid() != self._pid:  # forked without the at-fork hook (a raw fork): none is ours
+            self._after_fork()
+            return None
         with self._lock:
             kept = self._idle.pop((addr, key), None)
-        if kept is not None and time.monotonic() - kept[1] < KEEP_S:
-            return kept[0]
-        if kept is not None:
-            kept[0].close()
+        if kept is None:
+            return None
+        chan, since = kept
+        if time.monotonic() - since < KEEP_S and _still_open(chan.sock):
+            return chan
+        chan.close()
         return None
 
     def give(self, addr: str, key: bytes, chan: wire.Channel) -> None:
+        if os.getpid() != self._pid:
+            chan.close_copy()
+            return
+        chan.shed_buffers()
         now = time.monotonic()
         with self._lock:
             old = [c for k, (c, since) in self._idle.items() if k == (addr, key) or now - since >= KEEP_S]
@@ -114,9 +132,10 @@ class _Kept:
     def _after_fork(self) -> None:
         # in a forked child: the lock may have been held by a thread the child does not have
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         idle, self._idle = self._idle, {}
         for chan, _ in idle.values():
-            chan.close()  # the child's copy of the descriptor: the parent's connection stays
+            chan.close_copy()  # the child's copy of the descriptor: the parent's connection stays
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -126,17 +145,39 @@ _kept = _Kept()
 os.register_at_fork(after_in_child=_kept._after_fork)
 
 
+def _still_open(sock: socket.socket) -> bool:
+    """Whether an idle connection is still up: nothing to read (the server says nothing between
+    calls: no end, no reset, no stray byte), asked without waiting."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # a socket with a timeout would wait for something to read first
+    try:
+        sock.recv(1, socket.MSG_PEEK)  # b"": the server closed it; anything else is out of turn
+        return False
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(timeout)
+
+
 def _call(addr: str, key: bytes, timeout: float, work: Callable[[wire.Channel], object]):
-    """``work(channel)`` on a kept connection to ``addr``, else on a new one; a kept one that fails
-    is replaced by a new one and ``work`` runs again. The connection is kept after a call that
-    ended cleanly, closed after any other."""
+    """``work(channel)`` on the kept connection to ``addr``, else on a new one, kept afterwards if
+    the call ended cleanly. A kept connection the server ended just before the call (it fails
+    before any reply of this call came) is replaced by a new one and ``work`` made on it: nothing
+    of the call reached the server. Any other failure (a timeout: a peer that is slow or hung, a
+    record that fails its tag) is the call's."""
     chan = _kept.take(addr, key)
     if chan is not None:
+        replies = chan.received
         try:
             chan.sock.settimeout(timeout)
             result = work(chan)
-        except (wire.Closed, wire.Tampered, OSError):
-            chan.close()  # closed by the server meanwhile, most likely: once more, afresh
+        except (wire.Closed, ConnectionResetError, BrokenPipeError) as exc:
+            chan.close()
+            if chan.received != replies:
+                raise
+            LOG.debug("blob client: the kept connection to %s had ended (%s): a new one", addr, exc)
         except BaseException:
             chan.close()
             raise

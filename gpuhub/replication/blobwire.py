@@ -64,8 +64,10 @@ replica of it can join its old ones (docs/install.md, "Upgrading").
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import os
 import socket
 import struct
 
@@ -147,9 +149,28 @@ class Channel:
         self._out: bytearray | None = None  # one record's buffer each way, reused
         self._in: bytearray | None = None
         self.broken = False  # a value was cut off midway: the peer would read any message as its rest
+        self._pid = os.getpid()  # a forked child must never send on it (see send)
 
     def close(self) -> None:
+        """End the connection. In the process that made it, the peer is told at once even while a
+        forked child holds a copy of the descriptor (a child forked during a call: a GPU cell's)."""
+        if os.getpid() == self._pid:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+    def close_copy(self) -> None:
+        """Drop this process's descriptor only (a forked child's copy: the parent's stays up)."""
+        self.sock.close()
+
+    @property
+    def received(self) -> int:
+        """Records received so far (whether a call on a kept connection got any reply)."""
+        return self._received
+
+    def shed_buffers(self) -> None:
+        """Free the record buffers (a connection kept idle holds none; the next record makes them)."""
+        self._out = self._in = None
 
     @staticmethod
     def _nonce(n: int) -> bytes:
@@ -157,6 +178,10 @@ class Channel:
 
     def send(self, data: bytes | memoryview) -> None:
         """One record of ``data`` (at most :data:`RECORD` bytes)."""
+        if os.getpid() != self._pid:
+            # a copy in a forked child: its record numbers are the parent's, and a record number used
+            # twice under one key would break AES-GCM
+            raise Closed("a connection made by another process (this one was forked from it)")
         n = len(data)
         if n > RECORD:
             raise ValueError(f"a record holds at most {RECORD} bytes, not {n}")

@@ -106,6 +106,45 @@ def test_a_kept_connection_serves_only_its_key_and_never_a_forked_child(servers,
     assert made == [srv.address] * 2 and bytes(srv.store.get(digest(b"z"))) == b"z"
 
 
+def test_a_kept_connection_is_not_tried_again_once_its_call_timed_out_or_got_a_reply(servers, monkeypatch):
+    made = counting_connects(monkeypatch)
+    (srv,) = servers(1)
+    push(srv.address, KEY, {digest(b"x"): b"x"})
+    hung, has = threading.Event(), srv.store.has
+    monkeypatch.setattr(srv.store, "has", lambda d: hung.wait(30) and has(d))  # the server stops answering
+    with pytest.raises(BlobError, match="timed out"):
+        push(srv.address, KEY, {digest(b"y"): b"y"}, timeout=0.5)
+    hung.set()
+    assert made == [srv.address]  # a slow or hung peer costs the call its timeout once, not twice
+    monkeypatch.setattr(srv.store, "has", has)
+    push(srv.address, KEY, {digest(b"x2"): b"x2"})  # kept again
+    real = blobwire.recv_body
+
+    def cut(chan, view, verify):  # the server ends the connection after its "continue"
+        if threading.current_thread().name.startswith("blob-conn"):
+            raise blobwire.Closed("cut off")
+        return real(chan, view, verify)
+
+    monkeypatch.setattr(blobwire, "recv_body", cut)
+    value = np.ones(1 << 20).tobytes()
+    with pytest.raises(BlobError):
+        push(srv.address, KEY, {digest(value): value})
+    assert made == [srv.address] * 2 and not srv.store.has(digest(value))  # once: not sent again
+
+
+def test_a_kept_connection_is_never_used_by_another_process(servers, monkeypatch):
+    made = counting_connects(monkeypatch)
+    (srv,) = servers(1)
+    push(srv.address, KEY, {digest(b"x"): b"x"})
+    ((chan, _),) = blobclient._kept._idle.values()
+    real = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: real + 1)  # what a child forked without the at-fork hook sees
+    with pytest.raises(blobwire.Closed, match="another process"):
+        chan.send(b"anything")  # its record numbers are the parent's
+    assert blobclient._kept.take(srv.address, KEY) is None and len(blobclient._kept) == 0
+    assert made == [srv.address]
+
+
 def test_push_all_to_two_then_fetch_from_either(servers):
     a, b = servers(2)
     items = {digest(v): v for v in (b"x" * 100_000, b"small", b"")}
