@@ -73,7 +73,10 @@ from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
 
-INLINE_MAX_BYTES = 64 * 1024  # larger pickles travel beside the log
+# Larger streams travel beside the log, as blobs: pysyncobj pickles, compresses and encrypts every
+# message, once per follower (and once more from a follower to the leader), which made a 48 KB image
+# cost 13 ms more a cell inline than as a blob on a kept connection (docs/benchmarks.md)
+INLINE_MAX_BYTES = 16 * 1024
 LOAD_ERROR_CHARS = 300  # of a load's exception, in the cell's error (it also enters the log)
 EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
 # the old copy is held until the new one is committed anyway)
@@ -194,7 +197,7 @@ class Replica:
         self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
         # The last image's large values on this server's disk, to outlive this process: created
         # before the group, whose journal replays images as soon as it starts.
-        self.disk = BlobDisk(os.path.join(journal_dir, "blobs"), self.store) if journal_dir else None
+        self.disk = BlobDisk(os.path.join(journal_dir, "blobs"), self.store, key=key) if journal_dir else None
         host, port = self.me.blob.rsplit(":", 1)
         self.blob_server = BlobServer(self.store, key, host, int(port), log=log, name=self.me.blob)
         self.blob_server.start()

@@ -1,6 +1,7 @@
 """A replica's large values on its own disk, so that they outlive its process (docs/architecture.md D4).
 
-Values over 64 KiB travel beside the Raft log, and lived only in the replicas' memory: a kernel
+Large values (an image's stream over 16 KiB, every buffer of 1 MiB or more) travel beside the
+Raft log, and lived only in the replicas' memory: a kernel
 whose replica processes all restarted at once (each killed for going over its unit's MemoryMax,
 and started again by systemd) came back with a journal naming values no one held, and its
 namespace was gone. Now each replica writes the large values of
@@ -9,7 +10,11 @@ after the cell (a cell never waits for the disk), and removes those no committed
 more. A replica loading an image reads them from there before it asks its peers.
 
 A file is written as ``<digest>.part``, flushed to disk, then renamed, so a file named by a digest
-holds the whole value; reading checks the digest anyway (disks rot). These copies never take the
+holds the whole value; reading checks the digest anyway (disks rot). The files are sealed with the
+kernel's key (:class:`gpuhub.replication.sealing.ValueSealer`): an image's stream, which comes
+here when it is too large for the log, holds whatever the notebook holds, a password included,
+and the log itself keeps its images sealed. A file of a release before that (the value as it is)
+is still read, checked against its digest. These copies never take the
 last part of the disk, which the Raft journals need (gpuhub/replication/journal_space.py): see
 :func:`keep_free`. A value that does not fit, or another write error, is logged once and stays
 where it was before: in the replicas' memory.
@@ -32,8 +37,9 @@ import os
 import re
 import threading
 
-from gpuhub.replication.blobstore import BlobStore
+from gpuhub.replication.blobstore import BlobStore, new_buffer
 from gpuhub.replication.digest import digest
+from gpuhub.replication.sealing import VALUE_MAGIC, SealError, ValueSealer
 
 log = logging.getLogger("gpuhub.replication")
 
@@ -53,9 +59,10 @@ def keep_free(disk_bytes: int) -> int:
 
 
 class BlobDisk:
-    def __init__(self, directory: str, store: BlobStore) -> None:
+    def __init__(self, directory: str, store: BlobStore, *, key: bytes) -> None:
         self.directory = directory
         self.store = store
+        self._sealer = ValueSealer(key)  # the kernel's key: the files are sealed with it
         os.makedirs(directory, mode=0o700, exist_ok=True)
         for name in os.listdir(directory):  # what an interrupted write left
             if name.endswith(".part"):
@@ -98,12 +105,22 @@ class BlobDisk:
             self._changed.notify_all()
 
     def read(self, d: str) -> memoryview | None:
-        """Value ``d`` from disk (checked against its digest), or None when it is not there or is
-        not whole."""
+        """Value ``d`` from disk (opened with the kernel's key, checked against its digest), or None
+        when it is not there, is not whole, or does not open."""
         try:
             with open(self.path(d), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                data = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+                n = ValueSealer.plain_size(size)
+                if n is not None and f.read(len(VALUE_MAGIC)) == VALUE_MAGIC:
+                    f.seek(0)
+                    data = new_buffer(n)
+                    try:
+                        self._sealer.open_into(d, f, memoryview(data))
+                    except SealError as exc:
+                        log.warning("a stored value on disk did not open: %s; ignored", exc)
+                        return None
+                else:  # written by a release that did not seal them
+                    data = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
         except (OSError, ValueError):
             return None
         if digest(data) != d:
@@ -156,7 +173,7 @@ class BlobDisk:
         # Recorded whenever it moves on, even when the files stay: orders merge while the writer is
         # busy (5 {a}, 6 {}, 7 {a} is seen as 7 {a}), and a restart at 6 must not remove a.
         if version > self._recorded and (present or wanted):
-            if not self._write_whole(os.path.join(self.directory, VERSION_FILE), str(version).encode()):
+            if not self._write_whole(os.path.join(self.directory, VERSION_FILE), [str(version).encode()]):
                 return False
             # The new name on disk before any removal below: after a power cut, files removed under
             # an image version that the disk forgot would be files a restarted replica still needs.
@@ -192,19 +209,21 @@ class BlobDisk:
             self._failed(f"{memoryview(data).nbytes} bytes would leave less free than the Raft journals keep "
                          f"({KEEP_FREE:.0%} of the disk, at most {KEEP_FREE_CAP >> 30} GiB)")
             return
-        self._write_whole(self.path(d), data)
+        self._write_whole(self.path(d), self._sealer.seal(d, memoryview(data).cast("B")))
 
-    def _write_whole(self, final: str, data) -> bool:
-        """Write ``final`` whole or not at all (a ``.part`` file, flushed to disk, then renamed)."""
+    def _write_whole(self, final: str, pieces) -> bool:
+        """Write ``final`` whole or not at all (a ``.part`` file, flushed to disk, then renamed);
+        ``pieces``: its bytes, in turn (each sealed record of a value is written as it is made)."""
         part = final + ".part"
         try:
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                view = memoryview(data).cast("B")
-                for i in range(0, len(view), WRITE_STEP):
-                    chunk = view[i:i + WRITE_STEP]
-                    while chunk:
-                        chunk = chunk[os.write(fd, chunk):]
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    for i in range(0, len(view), WRITE_STEP):
+                        chunk = view[i:i + WRITE_STEP]
+                        while chunk:
+                            chunk = chunk[os.write(fd, chunk):]
                 os.fdatasync(fd)
             finally:
                 os.close(fd)

@@ -16,6 +16,8 @@ from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
 from tests.helpers import wait_for
 
+KEY = b"k" * 32
+
 
 def value(seed: int, n: int = 300_000) -> bytes:
     return bytes((seed + i) % 251 for i in range(n))
@@ -38,7 +40,7 @@ def disk(tmp_path, store, monkeypatch):
     monkeypatch.setattr(blobdisk, "keep_free", lambda disk_bytes: 0)
     (tmp_path / "blobs").mkdir()
     (tmp_path / "blobs" / ("0" * 64 + ".part")).write_bytes(b"half a value")  # an interrupted write
-    d = BlobDisk(str(tmp_path / "blobs"), store)
+    d = BlobDisk(str(tmp_path / "blobs"), store, key=KEY)
     yield d
     d.stop()
 
@@ -59,6 +61,31 @@ def test_the_disk_follows_the_last_image_once_started(disk, store):
     wait_for(lambda: disk.on_disk() == set(), 30, "nothing kept")
 
 
+def test_values_are_sealed_on_disk_and_open_only_with_the_kernels_key(disk, store, caplog):
+    first, second, _ = store.values
+    password = b"correct-horse-battery-staple"
+    secret = password + value(9, 1000)  # an image's stream holds what the notebook holds
+    store.put(digest(secret), secret)
+    disk.persist({first, digest(secret)}, 1)
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first, digest(secret)}, 30, "the image's values on disk")
+    for d, v in ((first, store.values[first]), (digest(secret), secret)):
+        on_disk = Path(disk.path(d)).read_bytes()
+        assert v[:64] not in on_disk and password not in on_disk  # sealed
+        assert bytes(BlobDisk(disk.directory, BlobStore(), key=KEY).read(d)) == v  # a restarted replica
+    with caplog.at_level(logging.WARNING, logger="gpuhub.replication"):
+        assert BlobDisk(disk.directory, BlobStore(), key=b"x" * 32).read(first) is None  # another kernel's key
+    assert "did not open" in caplog.text and KEY.decode() not in caplog.text
+    sealed = bytearray(Path(disk.path(first)).read_bytes())
+    sealed[len(sealed) // 2] ^= 1
+    Path(disk.path(first)).write_bytes(bytes(sealed))
+    assert disk.read(first) is None  # a byte changed on disk
+    Path(disk.path(second)).write_bytes(store.values[second])  # a file of a release that did not seal
+    assert bytes(disk.read(second)) == store.values[second]
+    Path(disk.path(second)).write_bytes(store.values[first])  # ... under the wrong name
+    assert disk.read(second) is None
+
+
 def test_a_restarted_replica_behind_its_files_removes_none_of_them(disk, store, tmp_path):
     """Raft saves its commit index once a second: a replica killed within a second of a commit
     restarts, and may be reported ready, with the image before it. That image's order must not
@@ -69,7 +96,7 @@ def test_a_restarted_replica_behind_its_files_removes_none_of_them(disk, store, 
     wait_for(lambda: disk.on_disk() == {first, second}, 30, "the image's values on disk")
     disk.stop()
 
-    again = BlobDisk(disk.directory, BlobStore())  # the restarted process: nothing in memory
+    again = BlobDisk(disk.directory, BlobStore(), key=KEY)  # the restarted process: nothing in memory
     try:
         again.persist(set(), 1)  # the state it came back with: the image before
         again.start()
@@ -96,7 +123,7 @@ def test_the_version_moves_on_with_the_images_even_when_the_files_stay(disk, sto
     assert disk.wait_handled(30)
     disk.stop()
 
-    again = BlobDisk(disk.directory, BlobStore())
+    again = BlobDisk(disk.directory, BlobStore(), key=KEY)
     try:
         again.persist(set(), 3)
         again.start()
