@@ -73,10 +73,11 @@ from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
 
-# Larger streams travel beside the log, as blobs: pysyncobj pickles, compresses and encrypts every
-# message, once per follower (and once more from a follower to the leader), which made a 48 KB image
-# cost 13 ms more a cell inline than as a blob on a kept connection (docs/benchmarks.md)
-INLINE_MAX_BYTES = 16 * 1024
+# Larger streams travel beside the log, as blobs. Smaller would be faster (pysyncobj pickles, compresses
+# and encrypts every message once per follower: a 48 KB image cost 13 ms more a cell inline than as a
+# blob, docs/benchmarks.md), but a stream blob is named by the digest of its plain bytes, in the journal
+# and on disk, where an inline stream is sealed first: 16 KiB waits for stream blobs sealed likewise.
+INLINE_MAX_BYTES = 64 * 1024
 LOAD_ERROR_CHARS = 300  # of a load's exception, in the cell's error (it also enters the log)
 EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
 # the old copy is held until the new one is committed anyway)

@@ -1,7 +1,7 @@
 """A replica's large values on its own disk, so that they outlive its process (docs/architecture.md D4).
 
-Large values (an image's stream over 16 KiB, every buffer of 1 MiB or more) travel beside the
-Raft log, and lived only in the replicas' memory: a kernel
+Large values (an image's stream over 64 KiB, a sealed output's of 16 KiB or more, every buffer of
+1 MiB or more) travel beside the Raft log, and lived only in the replicas' memory: a kernel
 whose replica processes all restarted at once (each killed for going over its unit's MemoryMax,
 and started again by systemd) came back with a journal naming values no one held, and its
 namespace was gone. Now each replica writes the large values of
@@ -14,7 +14,8 @@ holds the whole value; reading checks the digest anyway (disks rot). The files a
 kernel's key (:class:`gpuhub.replication.sealing.ValueSealer`): an image's stream, which comes
 here when it is too large for the log, holds whatever the notebook holds, a password included,
 and the log itself keeps its images sealed. A file of a release before that (the value as it is)
-is still read, checked against its digest. These copies never take the
+is still read, checked against its digest, and written again sealed by the next :meth:`persist`
+that still wants it (from the store: the replica has loaded the value by then). These copies never take the
 last part of the disk, which the Raft journals need (gpuhub/replication/journal_space.py): see
 :func:`keep_free`. A value that does not fit, or another write error, is logged once and stays
 where it was before: in the replicas' memory.
@@ -30,6 +31,7 @@ and takes no order from an older one: its files stay until the replica's state r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -37,7 +39,7 @@ import os
 import re
 import threading
 
-from gpuhub.replication.blobstore import BlobStore, new_buffer
+from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
 from gpuhub.replication.sealing import VALUE_MAGIC, SealError, ValueSealer
 
@@ -63,6 +65,7 @@ class BlobDisk:
         self.directory = directory
         self.store = store
         self._sealer = ValueSealer(key)  # the kernel's key: the files are sealed with it
+        self._sealed: set[str] = set()  # digests whose file here is known to be sealed
         os.makedirs(directory, mode=0o700, exist_ok=True)
         for name in os.listdir(directory):  # what an interrupted write left
             if name.endswith(".part"):
@@ -106,27 +109,64 @@ class BlobDisk:
 
     def read(self, d: str) -> memoryview | None:
         """Value ``d`` from disk (opened with the kernel's key, checked against its digest), or None
-        when it is not there, is not whole, or does not open."""
+        when it is not there, is not whole, or does not open. A sealed one is decrypted into a buffer
+        of the store (a memfd in a CPU kernel's: loads map it copy-on-write, no second copy) and kept
+        there; one an earlier release wrote is returned as a mapping of the file."""
         try:
             with open(self.path(d), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                n = ValueSealer.plain_size(size)
-                if n is not None and f.read(len(VALUE_MAGIC)) == VALUE_MAGIC:
-                    f.seek(0)
-                    data = new_buffer(n)
-                    try:
-                        self._sealer.open_into(d, f, memoryview(data))
-                    except SealError as exc:
-                        log.warning("a stored value on disk did not open: %s; ignored", exc)
-                        return None
-                else:  # written by a release that did not seal them
-                    data = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
+                if self._sealed_file(f, size):
+                    return self._open_sealed(d, f, ValueSealer.plain_size(size))
+                data = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
         except (OSError, ValueError):
             return None
         if digest(data) != d:
             log.warning("a stored value on disk does not match its digest %s…: ignored", d[:16])
             return None
         return memoryview(data)
+
+    @staticmethod
+    def _sealed_file(f, size: int) -> bool:
+        sealed = ValueSealer.plain_size(size) is not None and f.read(len(VALUE_MAGIC)) == VALUE_MAGIC
+        f.seek(0)
+        return sealed
+
+    def _open_sealed(self, d: str, f, n: int) -> memoryview | None:
+        try:
+            buf = self.store.alloc(n)
+        except MemoryError:
+            log.warning("no memory to read a stored value of %d bytes from disk: asking the peers", n)
+            return None
+        view = memoryview(buf)[:n]
+        try:
+            self._sealer.open_into(d, f, view)
+            whole = digest(view) == d
+        except SealError as exc:
+            log.warning("a stored value on disk did not open: %s; ignored", exc)
+            whole = False
+        finally:
+            view.release()
+        if not whole:
+            self.store.recycle(buf)
+            return None
+        with contextlib.suppress(OSError):  # read once: its pages need not stay in the page cache
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self.store.adopt(d, buf, n)
+        del buf
+        self._sealed.add(d)
+        return self.store.get(d)
+
+    def _is_sealed(self, d: str) -> bool:
+        """Whether the file of ``d`` is sealed (remembered: files only change by being written here)."""
+        if d not in self._sealed:
+            try:
+                with open(self.path(d), "rb") as f:
+                    if not self._sealed_file(f, os.fstat(f.fileno()).st_size):
+                        return False
+            except (OSError, ValueError):
+                return True  # gone: nothing to seal
+            self._sealed.add(d)
+        return True
 
     def on_disk(self) -> set[str]:
         """The digests of the values written here (whole files only)."""
@@ -181,7 +221,8 @@ class BlobDisk:
                 return False
             self._recorded = version
         missing = False
-        for d in sorted(wanted - present):
+        # what lacks a file, and what an earlier release left here as it was (sealed now)
+        for d in sorted((wanted - present) | {d for d in wanted & present if not self._is_sealed(d)}):
             data = self.store.get(d)
             if data is None:
                 missing = True
@@ -189,6 +230,7 @@ class BlobDisk:
             self._write(d, data)
             del data
         for d in present - wanted:
+            self._sealed.discard(d)
             try:
                 os.unlink(self.path(d))
             except (OSError, ValueError):
@@ -209,7 +251,8 @@ class BlobDisk:
             self._failed(f"{memoryview(data).nbytes} bytes would leave less free than the Raft journals keep "
                          f"({KEEP_FREE:.0%} of the disk, at most {KEEP_FREE_CAP >> 30} GiB)")
             return
-        self._write_whole(self.path(d), self._sealer.seal(d, memoryview(data).cast("B")))
+        if self._write_whole(self.path(d), self._sealer.seal(d, memoryview(data).cast("B"))):
+            self._sealed.add(d)
 
     def _write_whole(self, final: str, pieces) -> bool:
         """Write ``final`` whole or not at all (a ``.part`` file, flushed to disk, then renamed);

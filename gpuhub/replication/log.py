@@ -248,7 +248,7 @@ class RaftGroup:
             # pysyncobj (0.3.17) sends an entry of this size or more in parts, and marks the wrong
             # part as the last: a follower's tick fails on the truncated pickle and takes the entry
             # only with a later part, slowly. Entries here are far smaller (images inline up to
-            # 16 KiB, about 1.7 times that pickled), so each goes whole, in one message.
+            # 64 KiB, about 1.7 times that pickled), so each goes whole, in one message.
             appendEntriesBatchSizeBytes=APPEND_ENTRIES_BATCH_BYTES,
             password=raft_password(key),
             journalFile=f"{journal_dir}/raft.journal" if journal_dir else None,

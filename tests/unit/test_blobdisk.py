@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuhub.replication import blobdisk
+from gpuhub.replication import blobdisk, sealing
 from gpuhub.replication.blobdisk import BlobDisk
 from gpuhub.replication.blobstore import BlobStore
 from gpuhub.replication.digest import digest
@@ -84,6 +84,34 @@ def test_values_are_sealed_on_disk_and_open_only_with_the_kernels_key(disk, stor
     assert bytes(disk.read(second)) == store.values[second]
     Path(disk.path(second)).write_bytes(store.values[first])  # ... under the wrong name
     assert disk.read(second) is None
+
+
+def is_sealed(path) -> bool:
+    return Path(path).read_bytes().startswith(sealing.VALUE_MAGIC)
+
+
+def test_a_file_an_earlier_release_left_as_it_was_is_sealed_by_the_next_image_that_wants_it(disk, store):
+    first, second, _ = store.values
+    Path(disk.path(first)).write_bytes(store.values[first])  # written before values were sealed
+    assert bytes(disk.read(first)) == store.values[first]  # still read
+    disk.persist({first, second}, 1)
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first, second} and is_sealed(disk.path(first)) and is_sealed(disk.path(second)),
+             30, "both values on disk, sealed")
+    assert bytes(disk.read(first)) == store.values[first]
+
+
+def test_a_sealed_value_is_read_into_the_stores_memory_that_loads_map_copy_on_write(disk, store, tmp_path):
+    first = next(iter(store.values))
+    big = value(4, 3 << 20)  # a memfd's worth (file-backed stores keep values from 1 MiB so)
+    store.put(digest(big), big)
+    disk.persist({first, digest(big)}, 1)
+    disk.start()
+    wait_for(lambda: disk.on_disk() == {first, digest(big)}, 30, "the values on disk")
+    restarted = BlobStore(file_backed=True)  # a CPU kernel's replica after its restart
+    got = BlobDisk(disk.directory, restarted, key=KEY).read(digest(big))
+    assert bytes(got) == big and restarted.has(digest(big))  # kept: no second copy in the store
+    assert restarted.map_private(digest(big), 0, len(big)) is not None  # a memfd: loads map it
 
 
 def test_a_restarted_replica_behind_its_files_removes_none_of_them(disk, store, tmp_path):
