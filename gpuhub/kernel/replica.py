@@ -73,11 +73,10 @@ from gpuhub.replication.sealing import Sealer
 
 log = logging.getLogger("gpuhub.replica")
 
-# Larger streams travel beside the log, as blobs. Smaller would be faster (pysyncobj pickles, compresses
-# and encrypts every message once per follower: a 48 KB image cost 13 ms more a cell inline than as a
-# blob, docs/benchmarks.md), but a stream blob is named by the digest of its plain bytes, in the journal
-# and on disk, where an inline stream is sealed first: 16 KiB waits for stream blobs sealed likewise.
-INLINE_MAX_BYTES = 64 * 1024
+# Larger streams travel beside the log, as blobs (sealed, like inline ones, before they are named).
+# pysyncobj pickles, compresses and encrypts every message once per follower: a 30-48 KB image cost
+# 7-10 ms more a cell inline than as a blob on kept connections (docs/benchmarks.md).
+INLINE_MAX_BYTES = 16 * 1024
 LOAD_ERROR_CHARS = 300  # of a load's exception, in the cell's error (it also enters the log)
 EXECUTOR_SPARE_BYTES = 4 << 30  # a CPU executor's dropped copies kept for the next (peak unchanged:
 # the old copy is held until the new one is committed anyway)
@@ -448,11 +447,10 @@ class Replica:
             return None  # the namespace is what the group has: nothing to commit
         self._pending_key = key
         small = len(stream) <= self.settings.inline_max_bytes
-        if small:
-            stream = self.sealer.seal(stream)
-            sd = digest(stream)  # of the sealed bytes: a digest of the plain ones could be guessed at
-        else:
-            sd = digest(stream)
+        # sealed first, then named: a digest of the plain bytes could be checked against a guess
+        stream = self.sealer.seal(stream) if small else self.sealer.seal_stream(stream)
+        sd = digest(stream)
+        if not small:
             self.store.put(sd, stream)
             new[sd] = stream
         if new:
@@ -464,7 +462,8 @@ class Replica:
             pushed = blobclient.push_all(peers, self.key, new, enough=len(self.peers) // 2, on_late=late)
             for addr, err in pushed.items():
                 self._push_failed(addr, err, len(new))
-        return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names))
+        return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names),
+                          stream_sealed=not small)
 
     def _push_failed(self, addr: str, err: str | None, count: int) -> None:
         if err:
@@ -603,7 +602,9 @@ class Replica:
     def _build(self, entry: ImageEntry, namespace: dict | None) -> tuple[dict, list, str]:
         if entry.inline is not None:
             stream = self.sealer.open(entry.inline)
-        else:
+        elif entry.stream_sealed:
+            stream = self.sealer.open_stream(self._blob(entry.stream_digest))
+        else:  # an earlier release's entry
             stream = bytes(self._blob(entry.stream_digest))
         used: set[str] = set()
         buffers = [self._buffer_for(d, n, used) for d, n in entry.buffers]

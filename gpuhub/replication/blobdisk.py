@@ -1,6 +1,6 @@
 """A replica's large values on its own disk, so that they outlive its process (docs/architecture.md D4).
 
-Large values (an image's stream over 64 KiB, a sealed output's of 16 KiB or more, every buffer of
+Large values (an image's stream over 16 KiB, a sealed output's of 16 KiB or more, every buffer of
 1 MiB or more) travel beside the Raft log, and lived only in the replicas' memory: a kernel
 whose replica processes all restarted at once (each killed for going over its unit's MemoryMax,
 and started again by systemd) came back with a journal naming values no one held, and its
@@ -11,9 +11,10 @@ more. A replica loading an image reads them from there before it asks its peers.
 
 A file is written as ``<digest>.part``, flushed to disk, then renamed, so a file named by a digest
 holds the whole value; reading checks the digest anyway (disks rot). The files are sealed with the
-kernel's key (:class:`gpuhub.replication.sealing.ValueSealer`): an image's stream, which comes
-here when it is too large for the log, holds whatever the notebook holds, a password included,
-and the log itself keeps its images sealed. A file of a release before that (the value as it is)
+kernel's key (:class:`gpuhub.replication.sealing.ValueSealer`): a buffer holds whatever the
+notebook holds, a password included, and the log itself keeps its images sealed (an image's
+stream that comes here, too large for the log, is sealed already and is sealed once more, as any
+value: a small cost for one rule). A file of a release before that (the value as it is)
 is still read, checked against its digest, and written again sealed by the next :meth:`persist`
 that still wants it (from the store: the replica has loaded the value by then). These copies never take the
 last part of the disk, which the Raft journals need (gpuhub/replication/journal_space.py): see

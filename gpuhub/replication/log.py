@@ -39,14 +39,17 @@ APPEND_ENTRIES_BATCH_BYTES = 4 * 1024 * 1024
 @dataclass(frozen=True)
 class ImageEntry:
     """The kernel's namespace after a cell, as the log knows it (gpuhub/kernel/image.py): the
-    pickle stream (inline when small, else a blob named by its digest) and the digest and size of
-    each out-of-band buffer, in pickle order. The bytes of blobs travel beside the log."""
+    sealed pickle stream (inline when small, else a blob named by its digest) and the digest and
+    size of each out-of-band buffer, in pickle order. The bytes of blobs travel beside the log."""
 
-    stream_digest: str
+    stream_digest: str  # of the sealed stream
     inline: bytes | None  # None: the stream is a blob, fetched by digest
-    stream_size: int
+    stream_size: int  # of the sealed stream
     buffers: tuple[tuple[str, int], ...] = ()
     names: tuple[str, ...] = ()
+    # A blob stream is sealed (gpuhub/replication/sealing.py). False: an entry of a release before
+    # 2026-12-03 (its log or snapshot read after an upgrade), whose blob stream is plain bytes.
+    stream_sealed: bool = False
 
     def blob_digests(self) -> set[str]:
         """What a replica must keep (or fetch) to load this image."""
@@ -248,7 +251,7 @@ class RaftGroup:
             # pysyncobj (0.3.17) sends an entry of this size or more in parts, and marks the wrong
             # part as the last: a follower's tick fails on the truncated pickle and takes the entry
             # only with a later part, slowly. Entries here are far smaller (images inline up to
-            # 64 KiB, about 1.7 times that pickled), so each goes whole, in one message.
+            # 16 KiB, about 1.7 times that pickled), so each goes whole, in one message.
             appendEntriesBatchSizeBytes=APPEND_ENTRIES_BATCH_BYTES,
             password=raft_password(key),
             journalFile=f"{journal_dir}/raft.journal" if journal_dir else None,

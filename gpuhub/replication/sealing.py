@@ -5,9 +5,11 @@ the log to its journal and snapshot files. Those images hold whatever the notebo
 password typed into ``getpass()`` included, so they are sealed (AES-256-GCM, a random 96-bit
 nonce per image, :class:`Sealer`) with a key derived from the kernel's connection key, which only
 the user's server and the replicas hold, in memory. A larger image's stream, and the large values,
-travel beside the log and each replica keeps those of the last image on its disk
-(gpuhub/replication/blobdisk.py): they are sealed there too (:class:`ValueSealer`, another key
-derived from the same one). The journal's directory is also private to the user (0700, files
+travel beside the log as blobs named by their digests: such a stream is sealed before it is named
+(:meth:`Sealer.seal_stream`), as an inline one is, since a digest of the plain bytes of a small
+namespace could be checked against a guess. Each replica keeps the last image's blobs on its disk
+(gpuhub/replication/blobdisk.py), sealed there too (:class:`ValueSealer`, another key derived from
+the same one). The journal's directory is also private to the user (0700, files
 0600: see :class:`gpuhub.replication.log.RaftGroup`).
 """
 
@@ -29,8 +31,12 @@ class SealError(ValueError):
 
 
 class Sealer:
+    """A kernel's images: :meth:`seal` for a stream small enough to travel inside the log,
+    :meth:`seal_stream` for one that travels beside it as a blob (any size: in records)."""
+
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(hmac.new(key, b"gpuhub-image-seal-v1", "sha256").digest())
+        self._streams = ValueSealer(key, purpose=b"gpuhub-image-stream-v1", magic=STREAM_MAGIC)
 
     def seal(self, data: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
@@ -42,8 +48,27 @@ class Sealer:
         except (InvalidTag, ValueError) as exc:
             raise SealError("a sealed namespace image did not open with this kernel's key") from exc
 
+    def seal_stream(self, data: bytes) -> bytearray:
+        # one AES-GCM call takes at most 2**31 - 1 bytes: a large stream goes in records, each
+        # encrypted into its place (a stream may be hundreds of megabytes: one copy, not three)
+        view = memoryview(data).cast("B")
+        sealed = bytearray(ValueSealer.sealed_size(view.nbytes))
+        self._streams.seal_into(_STREAM, view, memoryview(sealed))
+        return sealed
+
+    def open_stream(self, sealed) -> bytearray:
+        view = memoryview(sealed).cast("B")
+        n = ValueSealer.plain_size(view.nbytes)
+        if n is None:
+            raise SealError("a sealed namespace image of a size no sealed image has")
+        plain = bytearray(n)
+        self._streams.open_view(_STREAM, view, memoryview(plain))
+        return plain
+
 
 VALUE_MAGIC = b"gpuhub-sealed-value-v1\n"
+STREAM_MAGIC = b"gpuhub-sealed-image-v1\n"  # a blob stream: never taken for a value's file at rest
+assert len(STREAM_MAGIC) == len(VALUE_MAGIC)  # one size rule (ValueSealer.plain_size) for both
 VALUE_CHUNK = 8 << 20
 """Plaintext bytes per sealed record of a value on disk (each is decrypted and checked on its own)."""
 TAG_BYTES = 16
@@ -57,8 +82,9 @@ class ValueSealer:
     cannot be moved to another place, another file or another digest, nor the file cut short,
     without failing its tag."""
 
-    def __init__(self, key: bytes) -> None:
-        self._aead = AESGCM(hmac.new(key, b"gpuhub-value-at-rest-v1", "sha256").digest())
+    def __init__(self, key: bytes, *, purpose: bytes = b"gpuhub-value-at-rest-v1", magic: bytes = VALUE_MAGIC) -> None:
+        self._aead = AESGCM(hmac.new(key, purpose, "sha256").digest())
+        self.magic = magic
 
     @staticmethod
     def _records(n: int) -> int:
@@ -71,11 +97,30 @@ class ValueSealer:
     def seal(self, d: str, view: memoryview) -> Iterator[bytes]:
         """The sealed file of value ``d`` (``view``: its bytes), in pieces to write in turn."""
         prefix = os.urandom(_PREFIX_BYTES)
-        yield VALUE_MAGIC + prefix
+        yield self.magic + prefix
         count = self._records(len(view))
         for i in range(count):
             chunk = view[i * VALUE_CHUNK:(i + 1) * VALUE_CHUNK]
             yield self._aead.encrypt(prefix + i.to_bytes(4, "big"), chunk, self._about(d, i, i == count - 1))
+
+    def seal_into(self, d: str, view: memoryview, dest: memoryview) -> None:
+        """As :meth:`seal`, into ``dest`` of :meth:`sealed_size` bytes."""
+        prefix = os.urandom(_PREFIX_BYTES)
+        at = len(self.magic) + _PREFIX_BYTES
+        dest[:at] = self.magic + prefix
+        n, count = view.nbytes, self._records(view.nbytes)
+        for i in range(count):
+            chunk = view[i * VALUE_CHUNK:(i + 1) * VALUE_CHUNK]
+            end = at + chunk.nbytes + TAG_BYTES
+            self._aead.encrypt_into(prefix + i.to_bytes(4, "big"), chunk, self._about(d, i, i == count - 1),
+                                    dest[at:end])
+            at = end
+        if at != dest.nbytes or n != self.plain_size(at):
+            raise ValueError("seal_into: the destination is not the sealed size")
+
+    @staticmethod
+    def sealed_size(n: int) -> int:
+        return len(VALUE_MAGIC) + _PREFIX_BYTES + n + ValueSealer._records(n) * TAG_BYTES
 
     @staticmethod
     def plain_size(sealed_size: int) -> int | None:
@@ -90,21 +135,46 @@ class ValueSealer:
     def open_into(self, d: str, f: io.BufferedIOBase, dest: memoryview) -> None:
         """Decrypt the sealed file ``f`` (read from its start) of value ``d`` into ``dest``, its
         whole length. Raises :class:`SealError` if it is not one, or a record fails its tag."""
-        head = f.read(len(VALUE_MAGIC) + _PREFIX_BYTES)
-        if head[:len(VALUE_MAGIC)] != VALUE_MAGIC or len(head) != len(VALUE_MAGIC) + _PREFIX_BYTES:
+        record = bytearray(min(len(dest), VALUE_CHUNK) + TAG_BYTES)
+
+        def read(size: int) -> memoryview:
+            sealed = memoryview(record)[:size]
+            if f.readinto(sealed) != size:
+                raise SealError("a sealed value cut short")
+            return sealed
+
+        self._open(d, f.read(len(VALUE_MAGIC) + _PREFIX_BYTES), read, dest)
+        if f.read(1):
+            raise SealError("a sealed value with bytes after its end")
+
+    def open_view(self, d: str, view: memoryview, dest: memoryview) -> None:
+        """As :meth:`open_into`, from sealed bytes in memory (no copy of them)."""
+        at = len(VALUE_MAGIC) + _PREFIX_BYTES
+
+        def read(size: int) -> memoryview:
+            nonlocal at
+            at += size
+            if at > view.nbytes:
+                raise SealError("a sealed value cut short")
+            return view[at - size:at]
+
+        self._open(d, bytes(view[:at]), read, dest)
+        if at != view.nbytes:
+            raise SealError("a sealed value with bytes after its end")
+
+    def _open(self, d: str, head: bytes, read, dest: memoryview) -> None:
+        if head[:len(self.magic)] != self.magic or len(head) != len(self.magic) + _PREFIX_BYTES:
             raise SealError("not a sealed value")
-        prefix, n = head[len(VALUE_MAGIC):], len(dest)
+        prefix, n = head[len(self.magic):], len(dest)
         count = self._records(n)
-        record = bytearray(min(n, VALUE_CHUNK) + TAG_BYTES)
         for i in range(count):
             size = min(VALUE_CHUNK, n - i * VALUE_CHUNK)
-            sealed = memoryview(record)[:size + TAG_BYTES]
-            if f.readinto(sealed) != len(sealed):
-                raise SealError("a sealed value cut short")
+            sealed = read(size + TAG_BYTES)
             try:
                 self._aead.decrypt_into(prefix + i.to_bytes(4, "big"), sealed, self._about(d, i, i == count - 1),
                                         dest[i * VALUE_CHUNK:i * VALUE_CHUNK + size])
             except (InvalidTag, ValueError) as exc:
                 raise SealError(f"a sealed value of {d[:16]}… did not open with this kernel's key") from exc
-        if f.read(1):
-            raise SealError("a sealed value with bytes after its end")
+
+
+_STREAM = "image-stream"  # what a stream's records are bound to (its blob's name is the digest of them)

@@ -70,8 +70,9 @@ def test_a_journal_on_a_full_disk_ends_its_process_with_a_clear_message_not_a_si
 
 
 def test_a_replica_whose_disk_fills_stops_for_good_and_the_kernel_goes_on(tmp_path, small_disks):
-    """gpu2's journals live on a 1 MiB disk; cells whose namespaces are 50 KB apiece (small enough
-    to travel in the log itself) fill it. Its replica says why in its log and stays down; the
+    """gpu2's journals live on a 1 MiB disk; cells whose namespaces are about 10 KB apiece (a
+    6 KB value and the kernel's own state: small enough to travel in the log itself, which takes
+    images up to 16 KiB) fill it. Its replica says why in its log and stays down; the
     other two run the next cells and hold the same namespace."""
     small_disks(tmp_path / "gpu2" / "state" / "journals")
     cluster = DevCluster(tmp_path, nodes=3, gpus_per_node=1).start()
@@ -85,8 +86,8 @@ def test_a_replica_whose_disk_fills_stops_for_good_and_the_kernel_goes_on(tmp_pa
             return agent.call("GET", f"/api/v1/units/{full['unit']}")[1]
 
         ok(kernel, "import os\nfilled = 0")
-        for _ in range(100):  # about 20 cells fill 1 MiB
-            reply, out = run(kernel.kc, "blob = os.urandom(50_000); filled += 1")
+        for _ in range(400):  # about 100 cells fill 1 MiB
+            reply, out = run(kernel.kc, "blob = os.urandom(6_000); filled += 1")
             # The replica on the full disk may be the one running this cell: then it is lost with it.
             assert reply["status"] == "ok" or out["errors"] in (["ExecutorLost"], ["ReplicasUnavailable"]), out
             if unit()["state"] != "active":

@@ -1,7 +1,8 @@
-"""Large values outlive their replicas' processes (gpuhub/replication/blobdisk.py). Values over
-64 KiB travel beside the Raft log; when they lived only in the replicas' memory, a kernel whose
-three replica processes restarted at once (each killed for memory, say, and started again by
-systemd's Restart=) came back with a journal naming values no one held."""
+"""Large values outlive their replicas' processes (gpuhub/replication/blobdisk.py). Large values
+(an image's stream over 16 KiB, buffers of 1 MiB or more) travel beside the Raft log; when they
+lived only in the replicas' memory, a kernel whose three replica processes restarted at once (each
+killed for memory, say, and started again by systemd's Restart=) came back with a journal naming
+values no one held."""
 
 from __future__ import annotations
 

@@ -167,3 +167,74 @@ class Unloadable:
 
     def __reduce__(self):
         return _refuse_to_load, ()
+
+
+# --- an image's stream too large for the log (Replica.store_image, gpuhub/replication/sealing.py) ---
+def test_a_stream_too_large_for_the_log_is_sealed_before_it_is_named_and_loads_back():
+    """A stream over the inline limit becomes a blob named by its digest, which enters the log and
+    the replicas' disks: named by the sealed bytes, it tells nothing of the plain ones (a small
+    namespace's digest could be checked against a guess), and the blob holds no password."""
+    r = a_replica(cells_in_process=True)
+    ns = {"pw": "secret-horse", "words": [f"word{i}" for i in range(5000)]}
+    cap = images.capture(ns, set())
+    assert len(cap.stream) > r.settings.inline_max_bytes and not cap.sized_buffers()
+    entry = r.store_image(cap.stream, cap.names, [], live=True)
+    assert entry.inline is None and entry.stream_sealed
+    blob = bytes(r.store.get(entry.stream_digest))
+    assert digest(blob) == entry.stream_digest != digest(cap.stream) and entry.stream_size == len(blob)
+    assert b"secret-horse" not in blob and b"word4999" not in blob
+    assert a_replica(cells_in_process=True).sealer.open_stream(blob) == cap.stream
+    other = a_replica(cells_in_process=True)
+    other.store.put(entry.stream_digest, blob)
+    loaded = other.load_image(entry)
+    assert {k: loaded[k] for k in ns} == ns
+
+
+def test_an_entry_of_an_earlier_release_with_a_plain_stream_blob_still_loads():
+    r = a_replica(cells_in_process=True)
+    cap = images.capture({"words": [f"word{i}" for i in range(5000)]}, set())
+    old = object.__new__(ImageEntry)  # as pickled by a release whose ImageEntry had no stream_sealed
+    old.__dict__.update(stream_digest=digest(cap.stream), inline=None, stream_size=len(cap.stream),
+                        buffers=(), names=tuple(cap.names))
+    entry = pickle.loads(pickle.dumps(old))
+    assert entry.stream_sealed is False
+    r.store.put(entry.stream_digest, cap.stream)
+    assert r.load_image(entry)["words"][-1] == "word4999"
+
+
+def test_a_sealed_stream_spans_records_and_refuses_any_change(monkeypatch):
+    from gpuhub.replication import sealing
+
+    monkeypatch.setattr(sealing, "VALUE_CHUNK", 1000)  # records of 1000 bytes: six for this stream
+    plain = bytes(range(256)) * 20
+    sealer = Sealer(b"k" * 32)
+    sealed = bytes(sealer.seal_stream(plain))
+    assert sealer.open_stream(sealed) == plain and plain[:64] not in sealed
+    assert bytes(sealer.seal_stream(plain)) != sealed  # a fresh nonce prefix each time
+    head, record = len(sealing.STREAM_MAGIC) + 8, 1000 + sealing.TAG_BYTES
+    first, second = sealed[head:head + record], sealed[head + record:head + 2 * record]
+    changed = {
+        "cut short": sealed[:-1], "cut at a record's end": sealed[:head + 5 * record],
+        "a byte after its end": sealed + b"x", "a byte changed": sealed[:40] + bytes([sealed[40] ^ 1]) + sealed[41:],
+        "two records swapped": sealed[:head] + second + first + sealed[head + 2 * record:],
+    }
+    for what, bad in changed.items():
+        with pytest.raises(sealing.SealError):
+            sealer.open_stream(bad)
+            pytest.fail(f"{what}: opened")
+    with pytest.raises(sealing.SealError):
+        Sealer(b"j" * 32).open_stream(sealed)  # another kernel's key
+    at_rest = sealing.ValueSealer(b"k" * 32)  # the same kernel's key for values on disk
+    with pytest.raises(sealing.SealError):
+        at_rest.open_view("image-stream", memoryview(sealed), memoryview(bytearray(len(plain))))
+
+
+def test_a_gpu_cells_image_with_a_large_stream_is_prepared_and_installed_from_its_sealed_blob():
+    r = a_replica(cells_in_process=False)
+    ns = {"big": np.arange(1 << 20, dtype=np.float64), "words": [f"word{i}" for i in range(5000)]}
+    stream, names, handed = as_a_cells_process_sends_it(r, ns)
+    entry = r.store_image(stream, names, handed, live=False)
+    assert entry.inline is None and entry.stream_sealed and len(entry.buffers) == 1
+    r.prepare_image(entry, {})
+    loaded = r.load_image(pickle.loads(pickle.dumps(entry)))
+    assert np.array_equal(loaded["big"], ns["big"]) and loaded["words"] == ns["words"]
