@@ -5,7 +5,8 @@ Run: `.venv/bin/python -m bench.image_size_bench [PAD_BYTES [CELLS]]` (defaults 
 ``pad = bytes(PAD_BYTES)`` in the namespace (in-band, so the image's stream is about that large),
 then ``i += 1`` runs ``CELLS`` times after 20 untimed ones. Each cell changes the namespace, so
 each commits a new image of that size. Prints the p50 round trip and the CPU time per cell of each
-replica (the executor is the one far above the others) and of this process (client and router).
+replica, highest first (the executor's, which captures, seals and pushes the image), and of this
+process (client and router).
 
 To compare two commits, run it from a ``git worktree`` of each, alternating: the replicas are
 ``python -m gpuhub.kernel`` started in the kernel's working directory, so they run that tree's code.
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.replicated_bench import cell
+from bench.replicated_bench import cell, setup
 from gpuhub.dev.cluster import DevCluster, DevKernel
 
 
@@ -31,11 +32,12 @@ def _cpu_seconds(pid: int) -> float:
 
 def run(pad: int = 30_000, cells: int = 200) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = DevCluster(Path(tmp) / "c", nodes=3, gpus_per_node=1).start()
+        cluster = DevCluster(Path(tmp) / "c", nodes=3, gpus_per_node=1)
         kernel = None
         try:
+            cluster.start()
             kernel = DevKernel(cluster, gpus=0)
-            cell(kernel.kc, f"pad = bytes({pad})\ni = 0")
+            setup(kernel.kc, f"pad = bytes({pad})\ni = 0")
             for _ in range(20):
                 cell(kernel.kc, "i += 1")
             pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
@@ -43,9 +45,11 @@ def run(pad: int = 30_000, cells: int = 200) -> dict:
             times = [cell(kernel.kc, "i += 1")[0] for _ in range(cells)]
             after, mine = [_cpu_seconds(p) for p in pids], time.process_time() - mine
         finally:
-            if kernel is not None:
-                kernel.close()
-            cluster.stop()
+            try:
+                if kernel is not None:
+                    kernel.close()
+            finally:
+                cluster.stop()
     return {"p50_ms": statistics.median(times) * 1e3,
             "replica_cpu_ms": [(b - a) / cells * 1e3 for a, b in zip(before, after, strict=True)],
             "client_cpu_ms": mine / cells * 1e3}

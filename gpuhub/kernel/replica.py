@@ -193,6 +193,10 @@ class Replica:
         self._prepared: tuple | None = None  # (entry, what _build made of it): see prepare_image
         self._preparing = False  # an image was built since the last load, maybe on resident memory
         self._pending_key: tuple | None = None
+        # (plain digest, blob digest) of the last stream sealed or loaded as a blob here: sealing
+        # takes a random nonce, so an unchanged stream (a cell that only wrote an array in place)
+        # reuses its sealed blob rather than pushing and writing a new one (see store_image)
+        self._stream_blob: tuple[str, str] | None = None
         self._referenced: set[str] = set()  # blobs of the images loaded or committed here
         self._unreferenced: set[str] = set()  # blobs here but in no image at the last image
         # The last image's large values on this server's disk, to outlive this process: created
@@ -448,11 +452,18 @@ class Replica:
         self._pending_key = key
         small = len(stream) <= self.settings.inline_max_bytes
         # sealed first, then named: a digest of the plain bytes could be checked against a guess
-        stream = self.sealer.seal(stream) if small else self.sealer.seal_stream(stream)
-        sd = digest(stream)
-        if not small:
+        if small:
+            stream = self.sealer.seal(stream)
+            sd = digest(stream)
+        elif self._stream_blob is not None and self._stream_blob[0] == key[0] and self.store.has(self._stream_blob[1]):
+            sd = self._stream_blob[1]  # the stream the group has: its blob again
+            stream = self.store.get(sd)
+        else:
+            stream = self.sealer.seal_stream(stream)
+            sd = digest(stream)
             self.store.put(sd, stream)
             new[sd] = stream
+            self._stream_blob = (key[0], sd)
         if new:
             # Done once a majority holds the new values (this replica and enough peers), as a
             # commit is: the other pushes go on meanwhile, and a replica that loads a value still
@@ -462,7 +473,7 @@ class Replica:
             pushed = blobclient.push_all(peers, self.key, new, enough=len(self.peers) // 2, on_late=late)
             for addr, err in pushed.items():
                 self._push_failed(addr, err, len(new))
-        return ImageEntry(sd, stream if small else None, len(stream), tuple(refs), tuple(names),
+        return ImageEntry(sd, stream if small else None, memoryview(stream).nbytes, tuple(refs), tuple(names),
                           stream_sealed=not small)
 
     def _push_failed(self, addr: str, err: str | None, count: int) -> None:
@@ -620,6 +631,8 @@ class Replica:
         else:
             value, buffers, stream_digest = self._build(entry, namespace)
         self._image_key = (stream_digest, entry.buffers, entry.names)
+        if entry.stream_sealed:
+            self._stream_blob = (stream_digest, entry.stream_digest)
         self.resident = {}
         for (d, _), mv in zip(entry.buffers, buffers, strict=True):
             self.resident.setdefault(d, mv)

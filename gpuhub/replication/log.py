@@ -47,8 +47,8 @@ class ImageEntry:
     stream_size: int  # of the sealed stream
     buffers: tuple[tuple[str, int], ...] = ()
     names: tuple[str, ...] = ()
-    # A blob stream is sealed (gpuhub/replication/sealing.py). False: an entry of a release before
-    # 2026-12-03 (its log or snapshot read after an upgrade), whose blob stream is plain bytes.
+    # A blob stream is sealed (gpuhub/replication/sealing.py). False: an entry of a release that
+    # did not have this field (its log or snapshot read after an upgrade): its blob stream is plain.
     stream_sealed: bool = False
 
     def blob_digests(self) -> set[str]:

@@ -68,7 +68,6 @@ class Sealer:
 
 VALUE_MAGIC = b"gpuhub-sealed-value-v1\n"
 STREAM_MAGIC = b"gpuhub-sealed-image-v1\n"  # a blob stream: never taken for a value's file at rest
-assert len(STREAM_MAGIC) == len(VALUE_MAGIC)  # one size rule (ValueSealer.plain_size) for both
 VALUE_CHUNK = 8 << 20
 """Plaintext bytes per sealed record of a value on disk (each is decrypted and checked on its own)."""
 TAG_BYTES = 16
@@ -83,6 +82,8 @@ class ValueSealer:
     without failing its tag."""
 
     def __init__(self, key: bytes, *, purpose: bytes = b"gpuhub-value-at-rest-v1", magic: bytes = VALUE_MAGIC) -> None:
+        if len(magic) != len(VALUE_MAGIC):
+            raise ValueError("a sealed value's magic has VALUE_MAGIC's length (one size rule: plain_size)")
         self._aead = AESGCM(hmac.new(key, purpose, "sha256").digest())
         self.magic = magic
 

@@ -73,7 +73,7 @@ def a_replica(*, cells_in_process: bool) -> Replica:
     r.store, r.resident, r.disk, r.peers = BlobStore(file_backed=True), {}, None, {}
     r.cells_in_process, r.huge_pages, r.settings, r.sealer = cells_in_process, False, Settings(), Sealer(b"k" * 32)
     r._image_key, r.loaded_version, r.state, r.key = None, 0, SimpleNamespace(image_version=1), b"k" * 32
-    r._prepared, r._preparing = None, False
+    r._prepared, r._preparing, r._stream_blob = None, False, None
     return r
 
 
@@ -224,8 +224,9 @@ def test_a_sealed_stream_spans_records_and_refuses_any_change(monkeypatch):
             pytest.fail(f"{what}: opened")
     with pytest.raises(sealing.SealError):
         Sealer(b"j" * 32).open_stream(sealed)  # another kernel's key
-    at_rest = sealing.ValueSealer(b"k" * 32)  # the same kernel's key for values on disk
-    with pytest.raises(sealing.SealError):
+    # the same kernel's key for values on disk (its header made the stream's, so the key is what refuses)
+    at_rest = sealing.ValueSealer(b"k" * 32, magic=sealing.STREAM_MAGIC)
+    with pytest.raises(sealing.SealError, match="did not open"):
         at_rest.open_view("image-stream", memoryview(sealed), memoryview(bytearray(len(plain))))
 
 
@@ -238,3 +239,27 @@ def test_a_gpu_cells_image_with_a_large_stream_is_prepared_and_installed_from_it
     r.prepare_image(entry, {})
     loaded = r.load_image(pickle.loads(pickle.dumps(entry)))
     assert np.array_equal(loaded["big"], ns["big"]) and loaded["words"] == ns["words"]
+
+
+def test_an_unchanged_stream_keeps_its_sealed_blob_on_the_executor_and_on_a_replica_that_loaded_it():
+    """Sealing takes a random nonce: sealed again, an unchanged stream would be a new blob every
+    cell (pushed to both peers, written to each disk) where a cell only wrote an array in place."""
+    r = a_replica(cells_in_process=False)
+    ns = {"big": np.arange(1 << 20, dtype=np.float64), "words": [f"word{i}" for i in range(5000)]}
+    stream, names, handed = as_a_cells_process_sends_it(r, ns)
+    first = r.store_image(stream, names, handed, live=False)
+    ns["big"][0] = -1  # written in place: the buffer changes, the stream does not
+    stream2, names, handed = as_a_cells_process_sends_it(r, ns)
+    assert stream2 == stream
+    second = r.store_image(stream2, names, handed, live=False)
+    assert second.stream_digest == first.stream_digest and second.buffers != first.buffers
+    follower = a_replica(cells_in_process=False)
+    follower.store.put(first.stream_digest, r.store.get(first.stream_digest))
+    for d, _ in second.buffers:
+        follower.store.put(d, r.store.get(d))
+    follower.load_image(second)  # it runs the next cell: its unchanged stream is the same blob
+    stream3, names, handed = as_a_cells_process_sends_it(follower, ns)
+    assert follower.store_image(stream3, names, handed, live=False).stream_digest == first.stream_digest
+    ns["words"].append("new")  # a changed stream: sealed anew
+    stream4, names, handed = as_a_cells_process_sends_it(follower, ns)
+    assert follower.store_image(stream4, names, handed, live=False).stream_digest != first.stream_digest
