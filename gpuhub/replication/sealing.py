@@ -50,10 +50,14 @@ class Sealer:
 
     def seal_stream(self, data: bytes) -> bytearray:
         # one AES-GCM call takes at most 2**31 - 1 bytes: a large stream goes in records, each
-        # encrypted into its place (a stream may be hundreds of megabytes: one copy, not three)
+        # copied into one buffer as it is made (a stream may be hundreds of megabytes: the sealed
+        # copy and one record at a time, not a list of records and then their join)
         view = memoryview(data).cast("B")
         sealed = bytearray(ValueSealer.sealed_size(view.nbytes))
-        self._streams.seal_into(_STREAM, view, memoryview(sealed))
+        at = 0
+        for piece in self._streams.seal(_STREAM, view):
+            sealed[at:at + len(piece)] = piece
+            at += len(piece)
         return sealed
 
     def open_stream(self, sealed) -> bytearray:
@@ -103,21 +107,6 @@ class ValueSealer:
         for i in range(count):
             chunk = view[i * VALUE_CHUNK:(i + 1) * VALUE_CHUNK]
             yield self._aead.encrypt(prefix + i.to_bytes(4, "big"), chunk, self._about(d, i, i == count - 1))
-
-    def seal_into(self, d: str, view: memoryview, dest: memoryview) -> None:
-        """As :meth:`seal`, into ``dest`` of :meth:`sealed_size` bytes."""
-        prefix = os.urandom(_PREFIX_BYTES)
-        at = len(self.magic) + _PREFIX_BYTES
-        dest[:at] = self.magic + prefix
-        n, count = view.nbytes, self._records(view.nbytes)
-        for i in range(count):
-            chunk = view[i * VALUE_CHUNK:(i + 1) * VALUE_CHUNK]
-            end = at + chunk.nbytes + TAG_BYTES
-            self._aead.encrypt_into(prefix + i.to_bytes(4, "big"), chunk, self._about(d, i, i == count - 1),
-                                    dest[at:end])
-            at = end
-        if at != dest.nbytes or n != self.plain_size(at):
-            raise ValueError("seal_into: the destination is not the sealed size")
 
     @staticmethod
     def sealed_size(n: int) -> int:
