@@ -69,6 +69,15 @@ class ReplicaApp(IPKernelApp):
         finally:
             self.parent_handle = handle
 
+    def get_default_logging_config(self) -> dict:
+        """traitlets leaves the application's logger at DEBUG and filters at its handler, so
+        each of ipykernel's ``log.debug`` calls in a cell's path (three, one of them the whole
+        reply) builds a record that the handler then drops: the logger takes the handler's level."""
+        config = super().get_default_logging_config()
+        for logger in config.get("loggers", {}).values():
+            logger["level"] = logging.getLevelName(self.log_level)
+        return config
+
     def init_iopub(self, context) -> None:
         super().init_iopub(context)
         thread = self.iopub_thread
