@@ -18,7 +18,7 @@ BENCHES = {"kernel": "bench.kernel_bench", "sim": "bench.sim_bench", "replicated
            "elastic-bound": "bench.elastic_bound", "load": "bench.load_bench",
            "device-gate": "bench.device_gate_bench", "cluster-kernel": "bench.cluster_kernel_bench",
            "websocket": "bench.websocket_bench", "process-entry": "bench.process_entry_bench",
-           "image-size": "bench.image_size_bench"}
+           "image-size": "bench.image_size_bench", "process-cpu": "bench.process_cpu_bench"}
 # Run only when named: they need a deployed podman cluster (scripts/cluster.sh).
 NEEDS_CLUSTER = ("cluster-migration", "load", "device-gate", "cluster-kernel")
 

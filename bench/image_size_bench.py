@@ -25,7 +25,7 @@ from bench.replicated_bench import cell, setup
 from gpuhub.dev.cluster import DevCluster, DevKernel
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -41,9 +41,9 @@ def run(pad: int = 30_000, cells: int = 200) -> dict:
             for _ in range(20):
                 cell(kernel.kc, "i += 1")
             pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
-            before, mine = [_cpu_seconds(p) for p in pids], time.process_time()
+            before, mine = [cpu_seconds(p) for p in pids], time.process_time()
             times = [cell(kernel.kc, "i += 1")[0] for _ in range(cells)]
-            after, mine = [_cpu_seconds(p) for p in pids], time.process_time() - mine
+            after, mine = [cpu_seconds(p) for p in pids], time.process_time() - mine
         finally:
             try:
                 if kernel is not None:
