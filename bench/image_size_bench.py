@@ -14,6 +14,7 @@ To compare two commits, run it from a ``git worktree`` of each, alternating: the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -30,26 +31,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(pad: int = 30_000, cells: int = 200) -> dict:
+@contextlib.contextmanager
+def cpu_kernel():
+    """A 3-replica CPU kernel on a local DevCluster of its own, stopped with it whatever fails."""
     with tempfile.TemporaryDirectory() as tmp:
         cluster = DevCluster(Path(tmp) / "c", nodes=3, gpus_per_node=1)
         kernel = None
         try:
             cluster.start()
             kernel = DevKernel(cluster, gpus=0)
-            setup(kernel.kc, f"pad = bytes({pad})\ni = 0")
-            for _ in range(20):
-                cell(kernel.kc, "i += 1")
-            pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
-            before, mine = [cpu_seconds(p) for p in pids], time.process_time()
-            times = [cell(kernel.kc, "i += 1")[0] for _ in range(cells)]
-            after, mine = [cpu_seconds(p) for p in pids], time.process_time() - mine
+            yield kernel
         finally:
             try:
                 if kernel is not None:
                     kernel.close()
             finally:
                 cluster.stop()
+
+
+def run(pad: int = 30_000, cells: int = 200) -> dict:
+    with cpu_kernel() as kernel:
+        setup(kernel.kc, f"pad = bytes({pad})\ni = 0")
+        for _ in range(20):
+            cell(kernel.kc, "i += 1")
+        pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
+        before, mine = [cpu_seconds(p) for p in pids], time.process_time()
+        times = [cell(kernel.kc, "i += 1")[0] for _ in range(cells)]
+        after, mine = [cpu_seconds(p) for p in pids], time.process_time() - mine
     return {"p50_ms": statistics.median(times) * 1e3,
             "replica_cpu_ms": [(b - a) / cells * 1e3 for a, b in zip(before, after, strict=True)],
             "client_cpu_ms": mine / cells * 1e3}

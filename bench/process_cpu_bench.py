@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from bench.image_size_bench import cpu_seconds
+from bench.image_size_bench import cpu_kernel, cpu_seconds
 from bench.replicated_bench import cell, plain_kernel
-from gpuhub.dev.cluster import DevCluster, DevKernel
 
 WARMUP = 30
 
@@ -37,24 +34,13 @@ def timed(kc, cells: int, pids: list[int]) -> tuple[list[float], list[float], fl
 def run(cells: int = 500) -> dict:
     manager, plain = plain_kernel()
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cluster = DevCluster(Path(tmp) / "c", nodes=3, gpus_per_node=1)
-            kernel = None
-            try:
-                cluster.start()
-                kernel = DevKernel(cluster, gpus=0)
-                for _ in range(WARMUP):
-                    cell(kernel.kc, "x = 1")
-                    cell(plain, "x = 1")
-                pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
-                ours, replica_cpu, ours_here = timed(kernel.kc, cells, pids)
-                anchor, (plain_cpu,), anchor_here = timed(plain, cells, [manager.provisioner.process.pid])
-            finally:
-                try:
-                    if kernel is not None:
-                        kernel.close()
-                finally:
-                    cluster.stop()
+        with cpu_kernel() as kernel:
+            for _ in range(WARMUP):
+                cell(kernel.kc, "x = 1")
+                cell(plain, "x = 1")
+            pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
+            ours, replica_cpu, ours_here = timed(kernel.kc, cells, pids)
+            anchor, (plain_cpu,), anchor_here = timed(plain, cells, [manager.provisioner.process.pid])
     finally:
         plain.stop_channels()
         manager.shutdown_kernel(now=True)
