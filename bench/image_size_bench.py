@@ -26,7 +26,8 @@ from bench.replicated_bench import cell, setup
 from gpuhub.dev.cluster import DevCluster, DevKernel
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user + system) of a process, or of one thread given as ``"PID/task/TID"``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

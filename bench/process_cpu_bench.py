@@ -13,6 +13,7 @@ To compare two commits, run it from a ``git worktree`` of each, alternating: the
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -23,8 +24,9 @@ from bench.replicated_bench import cell, plain_kernel
 WARMUP = 30
 
 
-def timed(kc, cells: int, pids: list[int]) -> tuple[list[float], list[float], float]:
-    """``cells`` cells ``x = 1``: their round trips, each pid's CPU seconds, and this process's."""
+def timed(kc, cells: int, pids: list) -> tuple[list[float], list[float], float]:
+    """``cells`` cells ``x = 1``: their round trips, the CPU seconds of each of ``pids`` (a pid, or
+    ``"PID/task/TID"`` for one thread), and this process's."""
     before, mine = [cpu_seconds(p) for p in pids], time.process_time()
     times = [cell(kc, "x = 1")[0] for _ in range(cells)]
     after, mine = [cpu_seconds(p) for p in pids], time.process_time() - mine
@@ -39,7 +41,8 @@ def run(cells: int = 500) -> dict:
                 cell(kernel.kc, "x = 1")
                 cell(plain, "x = 1")
             pids = [kernel.pid(r["id"]) for r in kernel.record["replicas"]]
-            ours, replica_cpu, ours_here = timed(kernel.kc, cells, pids)
+            router_thread = f"{os.getpid()}/task/{kernel.loop.thread.native_id}"  # /proc/PID/task/TID/stat
+            ours, (*replica_cpu, router_cpu), ours_here = timed(kernel.kc, cells, [*pids, router_thread])
             anchor, (plain_cpu,), anchor_here = timed(plain, cells, [manager.provisioner.process.pid])
     finally:
         plain.stop_channels()
@@ -47,7 +50,7 @@ def run(cells: int = 500) -> dict:
     per_cell = 1e3 / cells
     return {"p50_ms": statistics.median(ours) * 1e3, "plain_p50_ms": statistics.median(anchor) * 1e3,
             "replica_cpu_ms": sorted((c * per_cell for c in replica_cpu), reverse=True),
-            "plain_cpu_ms": plain_cpu * per_cell,
+            "plain_cpu_ms": plain_cpu * per_cell, "router_thread_cpu_ms": router_cpu * per_cell,
             "router_and_client_cpu_ms": ours_here * per_cell, "client_cpu_ms": anchor_here * per_cell}
 
 
@@ -59,6 +62,7 @@ def main(args: list[str] | tuple[str, ...] = ()) -> str:
     return (f"`x = 1` × {cells}: p50 {r['p50_ms']:.1f} ms, plain {r['plain_p50_ms']:.1f} ms "
             f"({r['p50_ms'] / r['plain_p50_ms']:.2f}×); CPU per cell: replicas {replicas} ms (executor first; "
             f"× a plain ipykernel's {plain:.2f} ms), router and client {r['router_and_client_cpu_ms']:.2f} ms "
+            f"(the router's thread {r['router_thread_cpu_ms']:.2f} ms) "
             f"(the client alone, with the plain kernel: {r['client_cpu_ms']:.2f} ms)\n"
             f"(`.venv/bin/python -m bench.process_cpu_bench {cells}`)")
 
