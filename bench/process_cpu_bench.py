@@ -35,7 +35,7 @@ def timed(kc, cells: int, pids: list) -> tuple[list[float], list[float], float]:
 
 def run(cells: int = 500) -> dict:
     manager, plain = plain_kernel()
-    try:
+    try:  # the plain kernel stopped whatever fails, its channels first
         with cpu_kernel() as kernel:
             for _ in range(WARMUP):
                 cell(kernel.kc, "x = 1")
@@ -45,8 +45,10 @@ def run(cells: int = 500) -> dict:
             ours, (*replica_cpu, router_cpu), ours_here = timed(kernel.kc, cells, [*pids, router_thread])
             anchor, (plain_cpu,), anchor_here = timed(plain, cells, [manager.provisioner.process.pid])
     finally:
-        plain.stop_channels()
-        manager.shutdown_kernel(now=True)
+        try:
+            plain.stop_channels()
+        finally:
+            manager.shutdown_kernel(now=True)
     per_cell = 1e3 / cells
     return {"p50_ms": statistics.median(ours) * 1e3, "plain_p50_ms": statistics.median(anchor) * 1e3,
             "replica_cpu_ms": sorted((c * per_cell for c in replica_cpu), reverse=True),

@@ -69,14 +69,17 @@ class ReplicaApp(IPKernelApp):
         finally:
             self.parent_handle = handle
 
-    def get_default_logging_config(self) -> dict:
-        """traitlets leaves the application's logger at DEBUG and filters at its handler, so
+    def _configure_logging(self) -> None:
+        """traitlets leaves the application's logger at DEBUG and filters at its handlers, so
         each of ipykernel's ``log.debug`` calls in a cell's path (three, one of them the whole
-        reply) builds a record that the handler then drops: the logger takes the handler's level."""
-        config = super().get_default_logging_config()
-        for logger in config.get("loggers", {}).values():
-            logger["level"] = logging.getLevelName(self.log_level)
-        return config
+        reply) built a record that every handler then dropped: once the configuration (with
+        any ``logging_config``) is in place, the logger takes its handlers' lowest level. (A
+        traitlets that renamed this method would only bring back the cost.)"""
+        super()._configure_logging()
+        logger = logging.getLogger(self.__class__.__name__)  # not self.log: its default calls here
+        levels = [handler.level for handler in logger.handlers]
+        if levels:
+            logger.setLevel(min(levels) or logging.DEBUG)  # a handler at NOTSET takes everything
 
     def init_iopub(self, context) -> None:
         super().init_iopub(context)

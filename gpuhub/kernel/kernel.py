@@ -26,6 +26,7 @@ import threading
 import time
 
 import ipykernel.compiler
+from ipykernel.compiler import XCachingCompiler
 from ipykernel.ipkernel import IPythonKernel
 
 from gpuhub.kernel import dirty, hugepages, memory_limit, process_state, random_state, sealed_outputs, shell_settings
@@ -806,17 +807,26 @@ class GpuhubKernel(Refusals, IPythonKernel):
         """Cache cell ``number``'s source as IPython does when it compiles a cell (linecache, and
         the name → number map that tracebacks use): this replica did not compile it itself.
 
-        The lines cached are IPython's transform of the cell, as on the replica that ran it, but
-        made only when something reads them (a traceback, ``inspect.getsource``): a lazy
-        linecache entry. Transforming every cell on every follower was a sixth of a follower's
-        CPU for a no-op cell. The name is the one the executor's compiler gave the cell, since
-        ipykernel names a cell after its source, not its transform."""
+        The lines cached are IPython's transform of the cell, as on the replica that ran it. With
+        ipykernel's compiler, which names a cell after its source (not its transform) and by a
+        path, they are made only when something reads them (a traceback, ``inspect.getsource``):
+        a lazy linecache entry, which saves every follower a transform per cell (tens of
+        microseconds; the shown text may then follow a later change of IPython's automagic or
+        autocall, never the line count). Otherwise (another compiler; a ``<...>`` name, which
+        linecache never reads lazily) the transform is made now, as before."""
+        compiler = self.shell.compile
         try:
-            name = self.shell.compile.cache(code, number, raw_code=code)
+            if type(compiler).get_code_name is not XCachingCompiler.get_code_name:
+                compiler.cache(self._transformed(code), number, raw_code=code)
+                return
+            name = compiler.cache(code, number, raw_code=code)
         except Exception as exc:
             log.debug("could not cache cell %d: %s", number, exc)
             return
-        linecache.cache[name] = (functools.partial(self._transformed, code),)
+        if name.startswith("<") and name.endswith(">"):
+            compiler.cache(self._transformed(code), number, raw_code=code)
+        else:
+            linecache.cache[name] = (functools.partial(self._transformed, code),)
 
     def _transformed(self, code: str) -> str:
         try:
